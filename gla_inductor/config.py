@@ -1,0 +1,32 @@
+"""User-facing switches of the backend. Change them directly or with `patch`:
+
+    with gla_inductor.config.patch(forms=("parallel",)):
+        torch.compile(model, backend=gla_inductor.backend)(x)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+# Forms the recognizer looks for; drop one to disable its recognition.
+forms: tuple = ("loop", "parallel")
+
+# Rewrite graphs at all (False: the backend is plain Inductor).
+enabled: bool = True
+
+
+@contextlib.contextmanager
+def patch(**changes):
+    import sys
+
+    mod = sys.modules[__name__]
+    old = {k: getattr(mod, k) for k in changes}
+    for k, v in changes.items():
+        if k not in old:
+            raise AttributeError(f"gla_inductor.config has no option {k!r}")
+        setattr(mod, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(mod, k, v)

@@ -1,0 +1,786 @@
+"""An index-variable tensor algebra over Dynamo FX graphs.
+
+Every tensor node is read as a *sum of products* ("monomials") of factors, each factor a
+tensor indexed by integer index variables, einsum style:
+
+    value[out_0, ..., out_r] = sum_m  coef_m * prod_f factor_f[idx_f]     (summed over
+                                                                           non-output vars)
+
+Factors are
+  * ``atom``  an opaque graph tensor (a node), optionally with some axes fixed to an integer
+              (``k[:, t]`` is the atom ``k`` with axis 1 fixed to ``t``);
+  * ``exp``   the exponential of a linear form (itself a list of monomials);
+  * ``const`` a tensor that depends only on constants and sizes (a mask), evaluated later;
+  * ``tri``   the triangular mask that ``tril``/``triu`` multiplies in.
+
+Broadcast-multiply-sum, ``matmul``, ``bmm``, ``einsum``, scalar scales, casts, views,
+permutes and keepdim slices all canonicalize to the same representation, so the
+recognizers in ``loop.py`` and ``parallel.py`` match semantics, not spellings. A size-1
+axis has the variable ``None``. Reading each node costs time proportional to its own
+expression (bounded by ``MAX_TERMS``), so the whole analysis is linear in graph size.
+
+A sum of several monomials that is multiplied with something else is *cut*: the consumer
+sees it as an opaque atom. That keeps expressions small and is exactly what recurrences
+need: ``S_t = S_{t-1} * d_t + k_t v_t`` is read with ``S_{t-1}`` as an atom.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from .consts import ConstAnalysis, example_value, freeze, is_inplace
+
+MAX_TERMS = 8
+
+
+@dataclass(frozen=True)
+class Atom:
+    node: fx.Node
+    fixed: tuple[tuple[int, int], ...] = ()  # (axis of node, index), sorted by axis
+
+    def free_axes(self) -> list[int]:
+        fixed_axes = {a for a, _ in self.fixed}
+        return [a for a in range(_rank(self.node)) if a not in fixed_axes]
+
+
+@dataclass(frozen=True)
+class Factor:
+    kind: str  # "atom" | "exp" | "const" | "tri"
+    idx: tuple = ()  # a var (int) or None (size-1 axis) per axis of the factor's tensor
+    atom: Optional[Atom] = None  # kind == "atom"
+    node: Optional[fx.Node] = None  # kind == "const"
+    negate: bool = False  # kind == "const": the factor is (not value)
+    inner: tuple = ()  # kind == "exp": monomials of the exponent
+    lower: bool = True  # kind == "tri": tril (True) or triu
+    diagonal: int = 0  # kind == "tri"
+
+
+Mono = tuple  # (coef: float, factors: tuple[Factor, ...])
+
+
+@dataclass(frozen=True)
+class AV:
+    """Abstract value of a tensor node: output vars and monomials."""
+
+    out: tuple
+    terms: tuple
+    keep: Optional[Factor] = None  # where keep == 0 the value is -inf (masked_fill(-inf))
+
+
+def _rank(node: fx.Node) -> int:
+    val = example_value(node)
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def factor_vars(f: Factor) -> set:
+    vs = {v for v in f.idx if v is not None}
+    for _, fs in f.inner:
+        for g in fs:
+            vs |= factor_vars(g)
+    return vs
+
+
+def mono_vars(m: Mono) -> set:
+    vs: set = set()
+    for f in m[1]:
+        vs |= factor_vars(f)
+    return vs
+
+
+def _sub_factor(f: Factor, mp: dict) -> Factor:
+    idx = tuple(mp.get(v, v) if v is not None else None for v in f.idx)
+    inner = tuple(_sub_mono(m, mp) for m in f.inner) if f.inner else ()
+    return Factor(f.kind, idx, f.atom, f.node, f.negate, inner, f.lower, f.diagonal)
+
+
+def _sub_mono(m: Mono, mp: dict) -> Mono:
+    return (m[0], tuple(_sub_factor(f, mp) for f in m[1]))
+
+
+def _merge_exps(m: Mono) -> Mono:
+    """exp(a) * exp(b) -> exp(a + b): one exp factor per monomial."""
+    exps = [f for f in m[1] if f.kind == "exp"]
+    if len(exps) < 2:
+        return m
+    rest = tuple(f for f in m[1] if f.kind != "exp")
+    inner = tuple(itertools.chain.from_iterable(f.inner for f in exps))
+    return (m[0], rest + (Factor("exp", inner=inner),))
+
+
+class Analyzer:
+    """Computes (and caches) the abstract value of every tensor node of a graph."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.consts = ConstAnalysis(graph)
+        self.sizes: dict[int, Any] = {}
+        self._counter = itertools.count()
+        self._cache: dict[fx.Node, Optional[AV]] = {}
+        self.canon = _value_numbering(graph)
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+
+    # ---- variables -------------------------------------------------------------------
+    def fresh(self, size) -> Optional[int]:
+        if isinstance(size, int) and size == 1:
+            return None
+        v = next(self._counter)
+        self.sizes[v] = size
+        return v
+
+    def instantiate(self, av: AV) -> AV:
+        """Alpha-rename every variable, so operands of one product never share vars."""
+        mp: dict = {}
+        for m in av.terms:
+            for v in mono_vars(m):
+                mp.setdefault(v, None)
+        for v in av.out:
+            if v is not None:
+                mp.setdefault(v, None)
+        if av.keep is not None:
+            for v in factor_vars(av.keep):
+                mp.setdefault(v, None)
+        for v in list(mp):
+            nv = next(self._counter)
+            self.sizes[nv] = self.sizes[v]
+            mp[v] = nv
+        out = tuple(mp[v] if v is not None else None for v in av.out)
+        keep = _sub_factor(av.keep, mp) if av.keep is not None else None
+        return AV(out, tuple(_sub_mono(m, mp) for m in av.terms), keep)
+
+    # ---- entry -----------------------------------------------------------------------
+    def value(self, node: Any) -> Optional[AV]:
+        if not isinstance(node, fx.Node):
+            return None
+        if node in self._cache:
+            return self._cache[node]
+        self._cache[node] = None  # recursion guard
+        try:
+            av = self._compute(node)
+        except _Opaque:
+            av = None
+        if av is None:
+            av = self.atom_av(node)
+        if av is not None and len(av.terms) > MAX_TERMS:
+            av = self.atom_av(node)
+        self._cache[node] = av
+        return av
+
+    def atom_av(self, node: fx.Node) -> Optional[AV]:
+        val = example_value(node)
+        if not isinstance(val, torch.Tensor):
+            return None
+        node = self.canon.get(node, node)
+        if self.consts.is_const(node):
+            if self.consts.is_zeros(node):
+                return AV(tuple(self.fresh(s) for s in val.shape), ())
+            out = tuple(self.fresh(s) for s in val.shape)
+            return AV(out, ((1.0, (Factor("const", out, node=node),)),))
+        out = tuple(self.fresh(s) for s in val.shape)
+        return AV(out, ((1.0, (Factor("atom", out, atom=Atom(node)),)),))
+
+    # ---- dispatch --------------------------------------------------------------------
+    def _compute(self, node: fx.Node) -> Optional[AV]:
+        if node.op not in ("call_function", "call_method"):
+            return None
+        if self.consts.is_const(node):
+            return None
+        name = op_name(node)
+        handler = getattr(self, f"_op_{name}", None) if name else None
+        if handler is None:
+            return None
+        val = example_value(node)
+        if not isinstance(val, torch.Tensor):
+            return None
+        # For call_method nodes args[0] is self, so methods and functions read alike.
+        av = handler(node, *node.args, **dict(node.kwargs))
+        if av is not None and len(av.out) != val.dim():
+            return None
+        return av
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _shape(self, x) -> tuple:
+        val = example_value(x)
+        return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+    def _operand(self, x):
+        """(node, AV) of a tensor operand, or (None, scalar) for Python numbers."""
+        if isinstance(x, fx.Node):
+            av = self.value(x)
+            if av is None:
+                raise _Opaque
+            return x, av
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return None, float(x)
+        raise _Opaque
+
+    def contract(self, operands: list, out_labels: tuple) -> AV:
+        """Generalized einsum over abstract values.
+
+        operands: list of (node, AV, labels) with one label per axis; equal labels are the
+        same index; labels missing from out_labels are summed."""
+        multi = len(operands) > 1
+        insts = []
+        for node, av, labels in operands:
+            if multi and self._cut(node, av):
+                av = self.atom_av(node)  # see module docstring
+                if av is None:
+                    raise _Opaque
+            elif not multi and av.keep is not None:
+                raise _Opaque
+            insts.append((self.instantiate(av), labels))
+        rep: dict = {}
+        size: dict = {}
+        mp: dict = {}
+        for av, labels in insts:
+            for v, lab in zip(av.out, labels):
+                if v is None:
+                    continue
+                size[lab] = self.sizes[v]
+                if lab in rep:
+                    mp[v] = rep[lab]
+                else:
+                    rep[lab] = v
+        terms = []
+        for combo in itertools.product(*[av.terms for av, _ in insts]):
+            coef = 1.0
+            factors: tuple = ()
+            for c, fs in combo:
+                coef *= c
+                factors += fs
+            terms.append(_merge_exps(_sub_mono((coef, factors), mp)))
+            if len(terms) > MAX_TERMS:
+                raise _Opaque
+        out = tuple(rep.get(lab) for lab in out_labels)
+        out_set = set(out)
+        for lab, v in rep.items():
+            if v in out_set:
+                continue
+            for i, m in enumerate(terms):
+                if v not in mono_vars(m):  # summing a broadcast axis multiplies by its size
+                    if not isinstance(size[lab], int):
+                        raise _Opaque
+                    terms[i] = (m[0] * size[lab], m[1])
+        return AV(out, tuple(terms))
+
+    def _cut(self, node: fx.Node, av: AV) -> bool:
+        """Whether a product operand is read as an opaque atom rather than expanded.
+
+        Sums are cut (several monomials, or a sum in the source even where a zero term
+        vanished: ``S_1 = 0 * d + k v`` is a state), and so are products of data that are
+        used more than once (``S = k0 v0`` before a loop is read by two consumers)."""
+        if len(av.terms) > 1 or av.keep is not None:
+            return True
+        if op_name(node) in ("add", "sub", "rsub"):
+            return True
+        if len(node.users) > 1 and av.terms:
+            atoms = sum(1 for f in av.terms[0][1] if f.kind == "atom")
+            return atoms >= 2
+        return False
+
+    def _binary_labels(self, a_rank: int, b_rank: int):
+        n = max(a_rank, b_rank)
+        labels = tuple(range(n))
+        return labels[n - a_rank :], labels[n - b_rank :], labels
+
+    def _scaled(self, av: AV, c: float) -> AV:
+        if c == 0.0:
+            return AV(av.out, ())
+        return AV(av.out, tuple((m[0] * c, m[1]) for m in av.terms), av.keep)
+
+    # ---- arithmetic ------------------------------------------------------------------
+    def _op_mul(self, node, a, b, **kw):
+        (na, va), (nb, vb) = self._operand(a), self._operand(b)
+        if na is None and nb is None:
+            return None
+        if na is None:
+            return self._scaled(vb, va)
+        if nb is None:
+            return self._scaled(va, vb)
+        la, lb, lo = self._binary_labels(len(va.out), len(vb.out))
+        return self.contract([(na, va, la), (nb, vb, lb)], lo)
+
+    def _op_div(self, node, a, b, rounding_mode=None, **kw):
+        (na, va), (nb, vb) = self._operand(a), self._operand(b)
+        if rounding_mode is not None or nb is not None or na is None or vb == 0:
+            return None
+        return self._scaled(va, 1.0 / vb)
+
+    def _op_neg(self, node, a, **kw):
+        return self._scaled(self._operand(a)[1], -1.0)
+
+    def _op_add(self, node, a, b, alpha=1, **kw):
+        return self._sum(node, a, b, float(alpha))
+
+    def _op_sub(self, node, a, b, alpha=1, **kw):
+        return self._sum(node, a, b, -float(alpha))
+
+    def _op_rsub(self, node, a, b, alpha=1, **kw):
+        return self._sum(node, b, a, -float(alpha))
+
+    def _sum(self, node, a, b, cb: float) -> Optional[AV]:
+        shape = self._shape(node)
+        parts = []
+        for x, c in ((a, 1.0), (b, cb)):
+            nx, vx = self._operand(x)
+            if nx is None:
+                parts.append((None, AV((), ((vx * c, ()),)), ()))
+                continue
+            if vx.keep is not None:
+                raise _Opaque
+            vx = self._scaled(vx, c)
+            parts.append((nx, vx, None))
+        # Align both sides to the output shape (right-aligned broadcasting).
+        rank = len(shape)
+        out_vars = [None] * rank
+        terms: list = []
+        for nx, vx, _ in parts:
+            vx = self.instantiate(vx)
+            off = rank - len(vx.out)
+            mp = {}
+            for p, v in enumerate(vx.out):
+                if v is None:
+                    continue
+                q = off + p
+                if out_vars[q] is None:
+                    out_vars[q] = v
+                else:
+                    mp[v] = out_vars[q]
+            terms += [_sub_mono(m, mp) for m in vx.terms]
+        for p, s in enumerate(shape):
+            if out_vars[p] is None and not (isinstance(s, int) and s == 1):
+                out_vars[p] = self.fresh(s)  # a broadcast axis no term depends on
+        return AV(tuple(out_vars), tuple(terms))
+
+    def _op_exp(self, node, a, **kw):
+        _, va = self._operand(a)
+        return self._exp(va, 1.0)
+
+    def _op_exp2(self, node, a, **kw):
+        _, va = self._operand(a)
+        return self._exp(va, math.log(2.0))
+
+    def _op_pow(self, node, a, b, **kw):
+        # c ** x == exp(x * log c) for a positive Python number c.
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and a > 0:
+            _, vb = self._operand(b)
+            return self._exp(vb, math.log(a))
+        return None
+
+    def _exp(self, va: AV, c: float) -> Optional[AV]:
+        out_set = {v for v in va.out if v is not None}
+        for m in va.terms:
+            if not mono_vars(m) <= out_set or any(f.kind == "exp" for f in m[1]):
+                return None  # exp of a contraction or of an exp: not a linear form
+        inner = tuple((m[0] * c, m[1]) for m in va.terms)
+        factors = (Factor("exp", inner=inner),) if inner else ()
+        if va.keep is not None:
+            factors += (va.keep,)
+        return AV(va.out, ((1.0, factors),))
+
+    # ---- contractions ----------------------------------------------------------------
+    def _op_sum(self, node, a, dim=None, keepdim=False, dtype=None, **kw):
+        na, va = self._operand(a)
+        rank = len(va.out)
+        if dim is None:
+            dims = set(range(rank))
+        else:
+            dims = {d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+        labels = tuple(range(rank))
+        res = self.contract([(na, va, labels)], tuple(i for i in labels if i not in dims))
+        if keepdim:
+            out = list(res.out)
+            for i in sorted(dims):
+                out.insert(i, None)
+            res = AV(tuple(out), res.terms)
+        return res
+
+    def _op_matmul(self, node, a, b, **kw):
+        (na, va), (nb, vb) = self._operand(a), self._operand(b)
+        if na is None or nb is None:
+            return None
+        ra, rb = len(va.out), len(vb.out)
+        if ra == 0 or rb == 0:
+            return None
+        # Labels: batch dims right-aligned; "m" contracted; "i"/"j" kept.
+        if ra >= 2 and rb >= 2:
+            nbatch = max(ra, rb) - 2
+            bl = tuple(("b", i) for i in range(nbatch))
+            la = bl[nbatch - (ra - 2) :] + ("i", "m")
+            lb = bl[nbatch - (rb - 2) :] + ("m", "j")
+            lo = bl + ("i", "j")
+        elif ra == 1 and rb >= 2:
+            nbatch = rb - 2
+            bl = tuple(("b", i) for i in range(nbatch))
+            la, lb, lo = ("m",), bl + ("m", "j"), bl + ("j",)
+        elif ra >= 2 and rb == 1:
+            nbatch = ra - 2
+            bl = tuple(("b", i) for i in range(nbatch))
+            la, lb, lo = bl + ("i", "m"), ("m",), bl + ("i",)
+        else:
+            la, lb, lo = ("m",), ("m",), ()
+        return self.contract([(na, va, la), (nb, vb, lb)], lo)
+
+    _op_bmm = _op_matmul
+    _op_mm = _op_matmul
+
+    def _op_einsum(self, node, equation, *operands, **kw):
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])
+        if not isinstance(equation, str):
+            return None
+        eq = equation.replace(" ", "")
+        lhs, _, rhs = eq.partition("->")
+        specs = lhs.split(",")
+        if len(specs) != len(operands):
+            return None
+        ops = [self._operand(x) for x in operands]
+        if any(n is None for n, _ in ops):
+            return None
+        ell = max((len(v.out) - len(s.replace("...", "")) for (n, v), s in zip(ops, specs) if "..." in s), default=0)
+        ell_labels = tuple(("e", i) for i in range(ell))
+
+        def labels_of(spec: str, rank: int) -> tuple:
+            if "..." in spec:
+                pre, post = spec.split("...")
+                n = rank - len(pre) - len(post)
+                return tuple(pre) + ell_labels[ell - n :] + tuple(post)
+            return tuple(spec)
+
+        if not _:
+            # Implicit output: letters that appear once, sorted; ellipsis first.
+            letters = [c for c in lhs.replace("...", "").replace(",", "")]
+            rhs = ("..." if "..." in lhs else "") + "".join(
+                sorted(c for c in set(letters) if letters.count(c) == 1)
+            )
+        out = labels_of(rhs, ell + len(rhs.replace("...", "")))
+        operands_l = [(n, v, labels_of(s, len(v.out))) for (n, v), s in zip(ops, specs)]
+        return self.contract(operands_l, out)
+
+    # ---- views -----------------------------------------------------------------------
+    def _relabel(self, av: AV, out: tuple) -> AV:
+        return AV(out, av.terms, av.keep)
+
+    def _op_identity(self, node, a, *args, **kw):
+        na, va = self._operand(a)
+        if na is None or self._shape(node) != self._shape(a):
+            return None
+        return va
+
+    def _op_unsqueeze(self, node, a, dim, **kw):
+        _, va = self._operand(a)
+        out = list(va.out)
+        d = dim % (len(out) + 1)
+        out.insert(d, None)
+        return self._relabel(va, tuple(out))
+
+    def _op_squeeze(self, node, a, dim=None, **kw):
+        _, va = self._operand(a)
+        shape = self._shape(a)
+        if dim is None:
+            dims = [i for i, s in enumerate(shape) if isinstance(s, int) and s == 1]
+        else:
+            dims = [d % max(len(shape), 1) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        out = [v for i, v in enumerate(va.out) if not (i in dims and va.out[i] is None)]
+        return self._relabel(va, tuple(out))
+
+    def _op_permute(self, node, a, *dims, **kw):
+        _, va = self._operand(a)
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = tuple(dims[0])
+        dims = kw.get("dims", dims)
+        rank = len(va.out)
+        return self._relabel(va, tuple(va.out[d % rank] for d in dims))
+
+    def _op_transpose(self, node, a, d0, d1, **kw):
+        _, va = self._operand(a)
+        out = list(va.out)
+        rank = len(out)
+        d0, d1 = d0 % rank, d1 % rank
+        out[d0], out[d1] = out[d1], out[d0]
+        return self._relabel(va, tuple(out))
+
+    def _op_t(self, node, a, **kw):
+        _, va = self._operand(a)
+        return self._relabel(va, tuple(reversed(va.out))) if len(va.out) <= 2 else None
+
+    def _op_reshape(self, node, a, *shape, **kw):
+        """Reshapes that only insert or drop size-1 axes are relabelings."""
+        _, va = self._operand(a)
+        src, dst = self._shape(a), self._shape(node)
+        keep_src = [(i, s) for i, s in enumerate(src) if not (isinstance(s, int) and s == 1)]
+        keep_dst = [(i, s) for i, s in enumerate(dst) if not (isinstance(s, int) and s == 1)]
+        if len(keep_src) != len(keep_dst):
+            return None
+        out = [None] * len(dst)
+        for (i, s), (j, d) in zip(keep_src, keep_dst):
+            if s is not d and s != d:
+                return None
+            out[j] = va.out[i]
+        return self._relabel(va, tuple(out))
+
+    def _op_expand(self, node, a, *sizes, **kw):
+        _, va = self._operand(a)
+        dst = self._shape(node)
+        off = len(dst) - len(va.out)
+        out = []
+        for p, s in enumerate(dst):
+            v = va.out[p - off] if p >= off else None
+            if v is None and not (isinstance(s, int) and s == 1):
+                v = self.fresh(s)
+            out.append(v)
+        return self._relabel(va, tuple(out))
+
+    # ---- indexing --------------------------------------------------------------------
+    def _select(self, av: AV, pos: int, index: int, size) -> Optional[AV]:
+        """Fix axis `pos` of av to `index`."""
+        v = av.out[pos]
+        out = av.out[:pos] + av.out[pos + 1 :]
+        if v is None:
+            return AV(out, av.terms, av.keep)
+        if isinstance(size, int):
+            index = index % size
+        elif index < 0:
+            return None
+        terms = []
+        for coef, fs in av.terms:
+            new_fs = []
+            for f in fs:
+                if v not in factor_vars(f):
+                    new_fs.append(f)
+                    continue
+                if f.kind != "atom" or f.idx.count(v) != 1:
+                    return None
+                p = f.idx.index(v)
+                axis = f.atom.free_axes()[p]
+                atom = Atom(f.atom.node, tuple(sorted(f.atom.fixed + ((axis, index),))))
+                new_fs.append(Factor("atom", f.idx[:p] + f.idx[p + 1 :], atom=atom))
+            terms.append((coef, tuple(new_fs)))
+        if av.keep is not None and v in factor_vars(av.keep):
+            return None
+        return AV(out, tuple(terms), av.keep)
+
+    def _op_getitem(self, node, a, index, **kw):
+        if isinstance(a, fx.Node) and op_name(a) == "unbind":
+            src = a.args[0]
+            dim = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim", 0)
+            _, va = self._operand(src)
+            return self._select(va, dim % len(va.out), index, self._shape(src)[dim])
+        _, va = self._operand(a)
+        if not isinstance(index, tuple):
+            index = (index,)
+        shape = self._shape(a)
+        n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+        expanded: list = []
+        for i in index:
+            if i is Ellipsis:
+                expanded += [slice(None)] * (len(shape) - n_real)
+            else:
+                expanded.append(i)
+        expanded += [slice(None)] * (len(shape) - sum(1 for i in expanded if i is not None))
+        out_pos = 0  # position in the (partially indexed) result
+        src_pos = 0
+        cur = va
+        for i in expanded:
+            if i is None:
+                out = list(cur.out)
+                out.insert(out_pos, None)
+                cur = AV(tuple(out), cur.terms, cur.keep)
+                out_pos += 1
+            elif isinstance(i, slice):
+                size = shape[src_pos]
+                sl = _unit_slice(i, size)
+                if sl == "full":
+                    out_pos += 1
+                elif sl is not None:
+                    cur = self._select(cur, out_pos, sl, size)
+                    if cur is None:
+                        return None
+                    out = list(cur.out)
+                    out.insert(out_pos, None)
+                    cur = AV(tuple(out), cur.terms, cur.keep)
+                    out_pos += 1
+                else:
+                    return None
+                src_pos += 1
+            elif isinstance(i, int) and not isinstance(i, bool):
+                cur = self._select(cur, out_pos, i, shape[src_pos])
+                if cur is None:
+                    return None
+                src_pos += 1
+            else:
+                return None
+        return cur
+
+    def _op_select(self, node, a, dim, index, **kw):
+        _, va = self._operand(a)
+        if not isinstance(index, int):
+            return None
+        return self._select(va, dim % len(va.out), index, self._shape(a)[dim % len(va.out)])
+
+    def _op_narrow(self, node, a, dim, start, length, **kw):
+        if length != 1 or not isinstance(start, int):
+            return None
+        _, va = self._operand(a)
+        d = dim % len(va.out)
+        cur = self._select(va, d, start, self._shape(a)[d])
+        if cur is None:
+            return None
+        out = list(cur.out)
+        out.insert(d, None)
+        return AV(tuple(out), cur.terms, cur.keep)
+
+    # ---- masks -----------------------------------------------------------------------
+    def _mask_factor(self, mask, target_out: tuple, negate: bool) -> Optional[Factor]:
+        if not isinstance(mask, fx.Node) or not self.consts.is_const(mask):
+            return None
+        mshape = self._shape(mask)
+        off = len(target_out) - len(mshape)
+        if off < 0:
+            return None
+        idx = []
+        for p, s in enumerate(mshape):
+            v = target_out[off + p]
+            if isinstance(s, int) and s == 1:
+                idx.append(None)
+            elif v is None:
+                return None  # the mask would broadcast the value: not a pure mask
+            else:
+                idx.append(v)
+        return Factor("const", tuple(idx), node=self.canon.get(mask, mask), negate=negate)
+
+    def _masked(self, node, x, mask, value, negate_mask: bool) -> Optional[AV]:
+        nx, vx = self._operand(x)
+        if nx is None or vx.keep is not None:
+            return None
+        keep = self._mask_factor(mask, vx.out, negate=negate_mask)
+        if keep is None:
+            return None
+        if value == 0:
+            return AV(vx.out, tuple((c, fs + (keep,)) for c, fs in vx.terms))
+        if value == float("-inf"):
+            return AV(vx.out, vx.terms, keep)
+        return None
+
+    def _op_masked_fill(self, node, x, mask, value, **kw):
+        if isinstance(value, fx.Node) or isinstance(value, bool):
+            return None
+        return self._masked(node, x, mask, float(value), negate_mask=True)
+
+    def _op_where(self, node, cond, x, other=None, **kw):
+        if other is None:
+            return None
+        if isinstance(other, (int, float)) and isinstance(x, fx.Node):
+            return self._masked(node, x, cond, float(other), negate_mask=False)
+        if isinstance(x, (int, float)) and isinstance(other, fx.Node):
+            return self._masked(node, other, cond, float(x), negate_mask=True)
+        return None
+
+    def _op_tril(self, node, a, diagonal=0, **kw):
+        return self._tri(a, True, diagonal)
+
+    def _op_triu(self, node, a, diagonal=0, **kw):
+        return self._tri(a, False, diagonal)
+
+    def _tri(self, a, lower: bool, diagonal: int) -> Optional[AV]:
+        na, va = self._operand(a)
+        if len(va.out) < 2 or None in va.out[-2:] or va.keep is not None:
+            return None
+        f = Factor("tri", va.out[-2:], lower=lower, diagonal=diagonal)
+        return AV(va.out, tuple((c, fs + (f,)) for c, fs in va.terms))
+
+
+class _Opaque(Exception):
+    """The node is not expressible; it becomes an atom for its consumers."""
+
+
+def _unit_slice(s: slice, size):
+    """'full' for `:`, the index i for `i:i+1`, else None."""
+    if s.step not in (None, 1):
+        return None
+    if s.start in (None, 0) and s.stop is None:
+        return "full"
+    if isinstance(s.start, int) and isinstance(s.stop, int) and s.stop - s.start == 1:
+        if isinstance(size, int) and s.start < 0:
+            return s.start % size
+        return s.start
+    if isinstance(s.start, int) and s.stop is None and isinstance(size, int) and s.start == size - 1:
+        return s.start
+    return None
+
+
+_FUNCTIONS = {
+    operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
+    torch.true_divide: "div", operator.add: "add", torch.add: "add", operator.sub: "sub",
+    torch.sub: "sub", torch.rsub: "rsub", operator.neg: "neg", torch.neg: "neg",
+    operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.mm: "mm",
+    torch.einsum: "einsum", torch.exp: "exp", torch.exp2: "exp2", operator.pow: "pow",
+    torch.pow: "pow", torch.sum: "sum", torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze",
+    torch.permute: "permute", torch.transpose: "transpose", torch.swapaxes: "transpose",
+    torch.reshape: "reshape", torch.t: "t", torch.masked_fill: "masked_fill",
+    torch.where: "where", torch.tril: "tril", torch.triu: "triu", operator.getitem: "getitem",
+    torch.select: "select", torch.narrow: "narrow", torch.unbind: "unbind",
+    torch.clone: "identity", torch.broadcast_to: "expand",
+}
+_METHODS = {
+    "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "div": "div", "__truediv__": "div",
+    "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub",
+    "neg": "neg", "__neg__": "neg", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm",
+    "mm": "mm", "exp": "exp", "exp2": "exp2", "sum": "sum", "unsqueeze": "unsqueeze",
+    "squeeze": "squeeze", "permute": "permute", "transpose": "transpose",
+    "swapaxes": "transpose", "view": "reshape", "reshape": "reshape", "t": "t",
+    "expand": "expand", "expand_as": "expand", "contiguous": "identity", "clone": "identity",
+    "float": "identity", "double": "identity", "half": "identity", "bfloat16": "identity",
+    "to": "identity", "type_as": "identity", "type": "identity", "masked_fill": "masked_fill",
+    "tril": "tril", "triu": "triu", "select": "select", "narrow": "narrow", "unbind": "unbind",
+    "view_as": "reshape", "reshape_as": "reshape", "__getitem__": "getitem",
+}
+
+
+def op_name(node: fx.Node) -> Optional[str]:
+    if node.op == "call_function":
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:
+            return None
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def _value_numbering(graph: fx.Graph) -> dict:
+    """Map each pure node to the first node that computes the same thing.
+
+    Dynamo does not CSE, so a loop that recomputes `-A_log.exp()` every step holds T
+    equal nodes; atoms compare by their canonical node. Nodes that read a mutated tensor
+    are left alone (their value depends on program order)."""
+    mutated: set = set()
+    for n in graph.nodes:
+        if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
+            mutated.add(n.args[0])
+    canon: dict = {}
+    seen: dict = {}
+    tainted: set = set(mutated)
+    for n in graph.nodes:
+        if any(isinstance(a, fx.Node) and a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
+        if n.op not in ("call_function", "call_method") or n in tainted or is_inplace(n):
+            continue
+        if n.op == "call_function" and getattr(n.target, "__module__", "") == "_operator" and n.target is operator.setitem:
+            continue
+        try:
+            key = (n.op, n.target, freeze(n.args, canon), freeze(n.kwargs, canon))
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            canon[n] = seen[key]
+        else:
+            seen[key] = n
+    return canon

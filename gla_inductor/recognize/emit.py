@@ -1,0 +1,170 @@
+"""Building the replacement: canonical [B, T, H, D] inputs, the GLA op call, and the
+outputs laid out back the way the user's graph had them.
+
+A *group* is a product of factors (with a coefficient) whose index variables carry role
+letters: ``b``/``h`` (batch axes), ``t`` (time), ``k``/``v`` (head dims). ``lift`` turns a
+group into one tensor whose axes are given role letters, with one ``einsum`` over the
+factors' base tensors: time-sliced atoms (``k[:, t]``) become the whole base tensor with
+its time axis lettered ``t``, which is what "lifting a loop body to the whole sequence"
+means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .algebra import Factor
+from .consts import example_value
+
+
+class EmitError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class LFactor:
+    """A factor with role letters: `letters[i]` names axis i of `node` ('1' for size 1,
+    't' for the time axis)."""
+
+    node: fx.Node
+    letters: str
+
+
+@dataclass(frozen=True)
+class Group:
+    coef: float
+    factors: tuple  # LFactor
+
+
+class Emitter:
+    """Inserts nodes before `anchor`, giving each a fake `example_value`."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, sizes: dict):
+        self.graph = graph
+        self.anchor = anchor
+        self.sizes = sizes  # role letter -> int or (node, axis) that holds that size
+        self.created: list[fx.Node] = []
+        self.fake_mode = _fake_mode(graph)
+
+    def call(self, target, *args, op: str = "call_function", **kwargs) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            if op == "call_method":
+                node = self.graph.call_method(target, args, kwargs)
+            else:
+                node = self.graph.call_function(target, args, kwargs)
+        self.created.append(node)
+        vals = fx.node.map_arg((args, kwargs), lambda n: example_value(n))
+        with self.fake_mode:
+            if op == "call_method":
+                val = getattr(vals[0][0], target)(*vals[0][1:], **vals[1])
+            else:
+                val = target(*vals[0], **vals[1])
+        node.meta["example_value"] = val
+        return node
+
+    def rollback(self) -> None:
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created.clear()
+
+    # ---- building blocks -------------------------------------------------------------
+    def size(self, letter: str):
+        s = self.sizes[letter]
+        if isinstance(s, tuple):
+            node, axis = s
+            val = example_value(node).shape[axis]
+            if isinstance(val, int):
+                return val
+            return self.call("size", node, axis, op="call_method")
+        return s
+
+    def lift(self, group: Group, out: str, full: bool = True) -> fx.Node:
+        """One tensor with axes `out` (role letters) equal to the group's product; axes no
+        factor has are broadcast (expanded when `full`)."""
+        if not group.factors:
+            raise EmitError("empty group")
+        present = set()
+        for f in group.factors:
+            present |= set(f.letters) - {"1"}
+        if not present <= set(out):
+            raise EmitError(f"group has axes {sorted(present)} outside {out}")
+        inner = "".join(c for c in out if c in present)
+        node = self._einsum(group.factors, inner)
+        if group.coef != 1.0:
+            node = self.call(torch.mul, node, group.coef)
+        return self.place(node, inner, out, full)
+
+    def place(self, node: fx.Node, have: str, out: str, full: bool = True) -> fx.Node:
+        """Insert size-1 axes for letters of `out` missing from `have` (a subsequence)."""
+        shape_idx = []
+        j = 0
+        for c in out:
+            if j < len(have) and have[j] == c:
+                j += 1
+            else:
+                shape_idx.append(None)
+                continue
+            shape_idx.append(slice(None))
+        if None in shape_idx:
+            node = self.call(operator.getitem, node, tuple(shape_idx))
+            if full:
+                sizes = [self.size(c) if c not in have else -1 for c in out]
+                node = self.call("expand", node, *sizes, op="call_method")
+        return node
+
+    def relayout(self, node: fx.Node, have: str, want: str) -> fx.Node:
+        """From axes `have` to `want`: drops size-1 letters not wanted, permutes, inserts
+        '1' axes."""
+        keep = "".join(c for c in want if c != "1")
+        drop = [i for i, c in enumerate(have) if c not in keep]
+        for i in reversed(drop):
+            node = self.call(torch.squeeze, node, i)
+        cur = "".join(c for c in have if c in keep)
+        if cur != keep:
+            node = self.call(torch.permute, node, tuple(cur.index(c) for c in keep))
+        idx = tuple(None if c == "1" else slice(None) for c in want)
+        if None in idx:
+            node = self.call(operator.getitem, node, idx)
+        return node
+
+    def _einsum(self, factors, out: str) -> fx.Node:
+        if len(factors) == 1 and factors[0].letters == out:
+            return factors[0].node
+        dummy = iter("acdefgijlmnopqrsuwxyz")
+        specs = []
+        for f in factors:
+            spec = ""
+            for c in f.letters:
+                spec += next(dummy) if c == "1" else c
+            specs.append(spec)
+        eq = ",".join(specs) + "->" + out
+        return self.call(torch.einsum, eq, *[f.node for f in factors])
+
+
+def _fake_mode(graph: fx.Graph):
+    """The fake mode of the graph's own example values (Dynamo's), so new values mix."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    for n in graph.nodes:
+        val = example_value(n)
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def select_fixed(em: Emitter, node: fx.Node, fixed: tuple, time_axis: Optional[int]) -> fx.Node:
+    """Apply the non-time fixed selections of an atom to its base node."""
+    for axis, index in sorted(fixed, reverse=True):
+        if axis == time_axis:
+            continue
+        node = em.call(torch.select, node, axis, index)
+    return node
+
+
+def is_exp_factor(f: Factor) -> bool:
+    return f.kind == "exp"

@@ -1,0 +1,43 @@
+"""What a recognizer found: a proven GLA instance to replace, or a near miss and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch.fx as fx
+
+
+@dataclass
+class Match:
+    form: str  # "loop" | "parallel"
+    gate: str  # "vector" | "scalar" | "constant" | "none"
+    layout: str  # the user's layout of q, in role letters, e.g. "bthk" or "bhtk"
+    shapes: dict  # B, T, H, K, V
+    nodes: list  # the user's nodes that the match covers (for source lines)
+    apply: Callable  # apply(graph) -> None; inserts the GLA op and rewires
+    options: dict = field(default_factory=dict)  # reverse, initial_state, final_state, scale
+
+    def source_lines(nodes: list) -> list[str]:
+    """'file.py:LINE  code' of the user's frame behind each node (deduplicated)."""
+    lines: list[str] = []
+    for n in nodes:
+        st = n.meta.get("stack_trace") if isinstance(n, fx.Node) else None
+        if not st:
+            continue
+        rows = [r.strip() for r in st.strip().splitlines()]
+        frames = [i for i, r in enumerate(rows) if r.startswith("File ")]
+        if not frames:
+            continue
+        i = frames[-1]
+        parts = rows[i].split(",")
+        where = parts[0][len("File "):].strip('"').split("/")[-1] + ":" + parts[1].replace("line", "").strip()
+        code = rows[i + 1] if i + 1 < len(rows) else ""
+        entry = f"{where}  {code}"
+        if entry not in lines:
+            lines.append(entry)
+    return lines
+
+
+def first_reason(*reasons: Optional[str]) -> Optional[str]:
+    return next((r for r in reasons if r), None)
