@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 import torch.fx as fx
 
@@ -16,9 +16,23 @@ class Match:
     shapes: dict  # B, T, H, K, V
     nodes: list  # the user's nodes that the match covers (for source lines)
     apply: Callable  # apply(graph) -> None; inserts the GLA op and rewires
-    options: dict = field(default_factory=dict)  # reverse, initial_state, final_state, scale
+    options: dict = field(default_factory=dict)  # reverse, initial_state, scale
 
-    def source_lines(nodes: list) -> list[str]:
+    def source_lines(self) -> list[str]:
+        return source_lines(self.nodes)
+
+
+@dataclass
+class NearMiss:
+    form: str
+    reason: str
+    nodes: list
+
+    def source_lines(self) -> list[str]:
+        return source_lines(self.nodes)
+
+
+def source_lines(nodes: list) -> list[str]:
     """'file.py:LINE  code' of the user's frame behind each node (deduplicated)."""
     lines: list[str] = []
     for n in nodes:
@@ -31,13 +45,9 @@ class Match:
             continue
         i = frames[-1]
         parts = rows[i].split(",")
-        where = parts[0][len("File "):].strip('"').split("/")[-1] + ":" + parts[1].replace("line", "").strip()
+        where = parts[0][len("File ") :].strip('"').split("/")[-1] + ":" + parts[1].replace("line", "").strip()
         code = rows[i + 1] if i + 1 < len(rows) else ""
         entry = f"{where}  {code}"
         if entry not in lines:
             lines.append(entry)
     return lines
-
-
-def first_reason(*reasons: Optional[str]) -> Optional[str]:
-    return next((r for r in reasons if r), None)
