@@ -1,7 +1,8 @@
-"""The rewrite pipeline on a Dynamo graph: copy -> analyze -> recognize -> replace -> clean.
+"""The rewrite pipeline on a Dynamo graph: analyze -> recognize -> replace -> clean.
 
-Everything happens on a copy of the graph; the user's GraphModule is only swapped to the
-rewritten graph once every stage succeeded, so a failure leaves it untouched.
+Analysis only reads the graph. Replacement goes through a `Transaction` that records every
+node it inserts and every input it re-points, so a failure is undone exactly and the graph
+compiles as if the pass were off.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from . import loop, parallel
-from .algebra import Analyzer
+from .algebra import Analyzer, op_name
 from .consts import is_inplace
+from .emit import Transaction
 from .match import Match, NearMiss
 
 log = logging.getLogger("gla_inductor")
@@ -30,40 +32,57 @@ class RewriteResult:
 
 
 def rewrite_graph(gm: fx.GraphModule, forms=("loop", "parallel")) -> RewriteResult:
-    """Replace every proven GLA instance in `gm` by the GLA op. Raises on internal errors
-    (the caller logs them and compiles the graph unchanged)."""
+    """Replace every proven GLA instance in `gm` by the GLA op. A match whose replacement
+    fails is undone and reported as a near miss; an internal error undoes everything and
+    raises (the backend logs it and compiles the graph unchanged)."""
     start = time.perf_counter()
-    graph = _copy_graph(gm)
+    graph = gm.graph
     an = Analyzer(graph)
     result = RewriteResult()
+    found = []
     for form in forms:
         matches, near = RECOGNIZERS[form](an)
         result.near_misses += near
-        result.matches += matches
+        found += matches
+    txn = Transaction(graph)
+    for m in found:
+        mark = txn.mark()
+        try:
+            m.apply(txn)
+        except Exception as e:  # noqa: BLE001 - any failure leaves this match out
+            txn.rollback_to(mark)
+            log.info("gla_inductor: could not replace a %s-form GLA", m.form, exc_info=True)
+            result.near_misses.append(NearMiss(m.form, f"replacement failed: {e}", m.nodes))
+            continue
+        result.matches.append(m)
+    try:
+        graph.lint()
+    except Exception:
+        txn.rollback_to((0, 0, 0))
+        raise
+    result.near_misses = _merge(result.near_misses)
     for m in result.matches:
-        m.apply(graph)
         log.info("gla_inductor: replaced a %s-form GLA (%s gate, %s)", m.form, m.gate, m.shapes)
     for nm in result.near_misses:
         log.info("gla_inductor: left a %s-form candidate alone: %s", nm.form, nm.reason)
     if result.matches:
+        txn.commit()
         dead_code_elimination(graph)
-        graph.lint()
-        gm.graph = graph
         gm.recompile()
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    new = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
-    val_map: dict = {}
-    out, old_output = new.graph_copy(gm.graph, val_map, return_output_node=True)
-    new.output(out).meta = dict(old_output.meta)
-    for old, copied in val_map.items():
-        # Dynamo keeps the input's source on the placeholder object itself, not in meta.
-        if hasattr(old, "_dynamo_source"):
-            copied._dynamo_source = old._dynamo_source
-    return new
+def _merge(near: list) -> list:
+    """One entry per (form, reason): a T-step loop repeats its reason T times."""
+    merged: dict = {}
+    for nm in near:
+        key = (nm.form, nm.reason)
+        if key in merged:
+            merged[key].nodes += nm.nodes
+        else:
+            merged[key] = NearMiss(nm.form, nm.reason, list(nm.nodes))
+    return list(merged.values())
 
 
 def dead_code_elimination(graph: fx.Graph) -> None:
@@ -72,6 +91,6 @@ def dead_code_elimination(graph: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         if node.users or node.op not in ("call_function", "call_method") or is_inplace(node):
             continue
-        if node.op == "call_function" and node.is_impure():
+        if node.op == "call_function" and op_name(node) is None and node.is_impure():
             continue
         graph.erase_node(node)

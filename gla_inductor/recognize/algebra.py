@@ -334,6 +334,8 @@ class Analyzer:
                 continue
             if vx.keep is not None:
                 raise _Opaque
+            if self._cut(nx, vx):
+                vx = self.atom_av(nx)  # S_t = S_{t-1} + k v keeps S_{t-1} whole
             vx = self._scaled(vx, c)
             parts.append((nx, vx, None))
         # Align both sides to the output shape (right-aligned broadcasting).
@@ -772,8 +774,8 @@ def _value_numbering(graph: fx.Graph) -> dict:
             tainted.add(n)
         if n.op not in ("call_function", "call_method") or n in tainted or is_inplace(n):
             continue
-        if n.op == "call_function" and getattr(n.target, "__module__", "") == "_operator" and n.target is operator.setitem:
-            continue
+        if n.target is operator.getitem:
+            continue  # index tuples are costly to hash and Dynamo never repeats them
         try:
             key = (n.op, n.target, freeze(n.args, canon), freeze(n.kwargs, canon))
             hash(key)

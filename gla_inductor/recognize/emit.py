@@ -41,15 +41,54 @@ class Group:
     factors: tuple  # LFactor
 
 
+class Transaction:
+    """Every change a rewrite makes to the graph, so that it can be undone.
+
+    Nodes are only created and inputs only re-pointed until `commit`, which erases what the
+    rewrite made dead (setitems into replaced buffers); `rollback_to` undoes back to a mark."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.created: list[fx.Node] = []
+        self.rewires: list[tuple] = []
+        self.erase: list[fx.Node] = []
+
+    def mark(self) -> tuple:
+        return len(self.created), len(self.rewires), len(self.erase)
+
+    def replace_input(self, user: fx.Node, old: fx.Node, new: fx.Node) -> None:
+        user.replace_input_with(old, new)
+        self.rewires.append((user, old, new))
+
+    def replace_all_uses(self, old: fx.Node, new: fx.Node) -> None:
+        for user in list(old.users):
+            if user is not new:
+                self.replace_input(user, old, new)
+
+    def rollback_to(self, mark: tuple) -> None:
+        n_created, n_rewires, n_erase = mark
+        while len(self.rewires) > n_rewires:
+            user, old, new = self.rewires.pop()
+            user.replace_input_with(new, old)
+        while len(self.created) > n_created:
+            self.graph.erase_node(self.created.pop())
+        del self.erase[n_erase:]
+
+    def commit(self) -> None:
+        for node in self.erase:
+            self.graph.erase_node(node)
+        self.erase.clear()
+
+
 class Emitter:
     """Inserts nodes before `anchor`, giving each a fake `example_value`."""
 
-    def __init__(self, graph: fx.Graph, anchor: fx.Node, sizes: dict):
-        self.graph = graph
+    def __init__(self, txn: Transaction, anchor: fx.Node, sizes: dict):
+        self.txn = txn
+        self.graph = txn.graph
         self.anchor = anchor
         self.sizes = sizes  # role letter -> int or (node, axis) that holds that size
-        self.created: list[fx.Node] = []
-        self.fake_mode = _fake_mode(graph)
+        self.fake_mode = _fake_mode(self.graph)
 
     def call(self, target, *args, op: str = "call_function", **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
@@ -57,7 +96,7 @@ class Emitter:
                 node = self.graph.call_method(target, args, kwargs)
             else:
                 node = self.graph.call_function(target, args, kwargs)
-        self.created.append(node)
+        self.txn.created.append(node)
         vals = fx.node.map_arg((args, kwargs), lambda n: example_value(n))
         with self.fake_mode:
             if op == "call_method":
@@ -66,11 +105,6 @@ class Emitter:
                 val = target(*vals[0], **vals[1])
         node.meta["example_value"] = val
         return node
-
-    def rollback(self) -> None:
-        for node in reversed(self.created):
-            self.graph.erase_node(node)
-        self.created.clear()
 
     # ---- building blocks -------------------------------------------------------------
     def size(self, letter: str):

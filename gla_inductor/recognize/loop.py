@@ -79,9 +79,23 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
             outer = (coef, fs)
         else:
             return None
-    if outer is None or sum(1 for f in outer[1] if f.kind == "atom") < 2:
+    if outer is None or not _is_outer_product(outer, out_set):
         return None
     return Step(node, av, prev, decay, outer)
+
+
+def _is_outer_product(m: Mono, out_set: set) -> bool:
+    """Some two axes of the update are never indexed by one factor together (k^T v),
+    unlike an elementwise product k * x."""
+    fvars = [factor_vars(f) for f in m[1] if f.kind == "atom"]
+    axes = sorted(out_set)
+    return any(
+        not any(a in fv and b in fv for fv in fvars)
+        and any(a in fv for fv in fvars)
+        and any(b in fv for fv in fvars)
+        for i, a in enumerate(axes)
+        for b in axes[i + 1 :]
+    )
 
 
 def _is_full_atom(f: Factor, out: tuple) -> bool:
@@ -105,7 +119,7 @@ def diagnose_update(an: Analyzer, node: fx.Node) -> Optional[str]:
     if len(av.terms) > 2:
         return "the update has more terms than a decay and an outer product"
     others = [m for m in av.terms if m not in selfish]
-    if others and sum(1 for f in others[0][1] if f.kind == "atom") < 2:
+    if others and not _is_outer_product(others[0], out_set):
         return "the update adds no outer product k^T v (elementwise recurrence)"
     return None
 
@@ -248,6 +262,7 @@ def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly]) -> M
     asm, reads = _assembly_of(an, chain, states, outputs)
     roles = _roles(chain, reads)
     n = len(chain)
+    _check_state_free(chain)
     lifted = [_lift_step(an, st, reads.get(st.node), roles) for st in chain]
     taus = [lf["tau"] for lf in lifted]
     if any(t is None for t in taus):
@@ -271,6 +286,25 @@ def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly]) -> M
         if size != n:
             raise Reject(f"the loop runs {n} steps over a time axis of size {size}")
     return _build_match(an, chain, reads, asm, roles, lifted[-1], reverse)
+
+
+def _check_state_free(chain: list[Step]) -> None:
+    """The inputs of an update must not be computed from the states (a delta rule reads
+    S_{t-1} to form its value; RWKV-style bonuses read it before the update)."""
+    states = {st.node for st in chain}
+    derived: set = set()
+    frontier = list(states)
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u not in derived and u not in states:
+                derived.add(u)
+                frontier.append(u)
+    for st in chain:
+        for _, fs in st.av.terms:
+            for f in fs:
+                if f.kind == "atom" and f.atom.node in derived:
+                    raise Reject("the update reads the state it updates (delta-rule style)")
 
 
 def _assembly_of(an: Analyzer, chain, states, outputs):
@@ -433,19 +467,14 @@ def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
     shapes = {c.upper(): _size(*sizes[c]) if isinstance(sizes[c], tuple) else sizes[c] for c in "bthkv" if c in sizes}
     q_layout = last["q"][1].factors[0].letters if last["q"][1].factors else ""
 
-    def apply(graph: fx.Graph) -> None:
-        anchor, users = _anchor(an, asm, st_last)
-        em = Emitter(graph, anchor, sizes)
-        try:
-            o, ht = _emit_op(em, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse)
-            o_user = _to_layout(em, o, "bthv", out_letters, asm, reverse)
-            o_user = _cast(em, o_user, asm.result)
-            ht_user = em.relayout(ht, "bhkv", state_letters)
-            ht_user = _cast(em, ht_user, st_last.node)
-        except Exception:
-            em.rollback()
-            raise
-        _rewire(graph, an, asm, o_user, st_last.node, ht_user, anchor)
+    def apply(txn) -> None:
+        anchor = _anchor(an, asm)
+        _check_before(an, anchor, _dependencies(last, head))
+        em = Emitter(txn, anchor, sizes)
+        o, ht = _emit_op(em, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse)
+        o_user = _cast(em, em.relayout(o, "bthv", out_letters), asm.result)
+        ht_user = _cast(em, em.relayout(ht, "bhkv", state_letters), st_last.node)
+        _rewire(txn, asm, o_user, st_last.node, ht_user)
 
     return Match(
         form="loop",
@@ -557,10 +586,6 @@ def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
     return em.call("contiguous", total, op="call_method")
 
 
-def _to_layout(em: Emitter, o: fx.Node, have: str, want: str, asm: Assembly, reverse: bool) -> fx.Node:
-    return em.relayout(o, have, want)
-
-
 def _cast(em: Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
     from .consts import example_value
 
@@ -570,26 +595,39 @@ def _cast(em: Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
     return node
 
 
-def _anchor(an: Analyzer, asm: Assembly, st_last: Step):
+def _anchor(an: Analyzer, asm: Assembly) -> fx.Node:
     """Insert the op right before the first node that consumes the assembled output."""
-    graph = an.graph
     if asm.kind == "setitem":
-        last_write = max(asm.setitems, key=lambda n: an.order[n])
-        return last_write.next, None
-    return asm.result, None
+        return max(asm.setitems, key=lambda n: an.order[n]).next
+    return asm.result
 
 
-def _rewire(graph: fx.Graph, an: Analyzer, asm: Assembly, o_user, state, ht_user, anchor) -> None:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+def _dependencies(last, head) -> list:
+    deps = [lf.node for key in ("q", "k", "v") for lf in last[key][1].factors]
+    if last["decay"] is not None:
+        deps += [lf.node for _, lfs, _ in last["decay"][1][1] for lf in lfs]
+    if head.prev is not None:
+        deps.append(head.prev)
+    return deps
+
+
+def _check_before(an: Analyzer, anchor: fx.Node, deps: list) -> None:
+    pos = {n: i for i, n in enumerate(an.graph.nodes)}
+    late = [d.name for d in deps if pos[d] >= pos[anchor]]
+    if late:
+        raise Reject(f"inputs {late} are computed after the output is used")
+
+
+def _rewire(txn, asm: Assembly, o_user: fx.Node, state: fx.Node, ht_user: fx.Node) -> None:
+    order = {n: i for i, n in enumerate(txn.graph.nodes)}
     pos = order[o_user]
     if asm.kind == "setitem":
-        for w in asm.setitems:
-            graph.erase_node(w)
+        txn.erase += asm.setitems
         for u in list(asm.result.users):
             if order[u] > pos:
-                u.replace_input_with(asm.result, o_user)
+                txn.replace_input(u, asm.result, o_user)
     else:
-        asm.result.replace_all_uses_with(o_user)
+        txn.replace_all_uses(asm.result, o_user)
     for u in list(state.users):
         if order.get(u, -1) > pos:
-            u.replace_input_with(state, ht_user)
+            txn.replace_input(u, state, ht_user)

@@ -290,20 +290,15 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
     sizes["k"] = (q.node, q.letters.index("k"))
     shapes = {c.upper(): _shape_of(sizes[c]) for c in "bthkv"}
 
-    def apply(graph: fx.Graph) -> None:
-        em = Emitter(graph, node, sizes)
-        try:
-            qn = em.lift(Group(1.0, (q,)), "bthk")
-            kn = em.lift(Group(1.0, (k,)), "bthk")
-            vn = em.lift(Group(1.0, (v,)), "bthv")
-            g, g_gamma = _emit_gate(em, gate)
-            op = em.call(torch.ops.gla_inductor.chunk_fwd.default, qn, kn, vn, g, g_gamma, None, float(coef), False, False)
-            o = em.call(operator.getitem, op, 0)
-            o = _cast(em, em.relayout(o, "bthv", out_letters), node)
-        except Exception:
-            em.rollback()
-            raise
-        node.replace_all_uses_with(o)
+    def apply(txn) -> None:
+        em = Emitter(txn, node, sizes)
+        qn = em.lift(Group(1.0, (q,)), "bthk")
+        kn = em.lift(Group(1.0, (k,)), "bthk")
+        vn = em.lift(Group(1.0, (v,)), "bthv")
+        g, g_gamma = _emit_gate(em, gate)
+        op = em.call(torch.ops.gla_inductor.chunk_fwd.default, qn, kn, vn, g, g_gamma, None, float(coef), False, False)
+        o = em.call(operator.getitem, op, 0)
+        txn.replace_all_uses(node, _cast(em, em.relayout(o, "bthv", out_letters), node))
 
     return Match("parallel", gate.kind, q.letters, shapes, [node], apply, {"scale": coef})
 

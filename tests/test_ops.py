@@ -1,0 +1,363 @@
+"""gla_inductor::chunk_fwd / chunk_bwd and chunk_gla against the float64 naive loop (CPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gla_inductor import ops
+from gla_inductor.ops import chunk_gla
+from gla_inductor.reference import naive_recurrent_gla
+
+GATES = ["none", "scalar", "vector", "constant"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # the tensors here are tiny: intra-op threads only add synchronisation, and on a busy
+    # 2-core runner they made this file ~2x slower
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def make_inputs(gate, B=2, T=65, H=2, K=5, V=6, dtype=torch.float64, with_h0=True, g_fn=None, seed=0):
+    """Keyword inputs of chunk_gla; g_fn(shape) draws the log gate (default logsigmoid of a normal)."""
+    torch.manual_seed(seed)
+    g_fn = g_fn or (lambda shape: F.logsigmoid(torch.randn(shape, dtype=torch.float64)))
+    inputs = {
+        "q": torch.randn(B, T, H, K, dtype=torch.float64),
+        "k": torch.randn(B, T, H, K, dtype=torch.float64),
+        "v": torch.randn(B, T, H, V, dtype=torch.float64),
+        "g": {"scalar": g_fn((B, T, H)), "vector": g_fn((B, T, H, K))}.get(gate),
+        "g_gamma": g_fn((H,)) if gate == "constant" else None,
+        "initial_state": torch.randn(B, H, K, V, dtype=torch.float64) if with_h0 else None,
+    }
+    return {name: None if x is None else x.to(dtype) for name, x in inputs.items()}
+
+
+def as_reference(inputs):
+    """The same values in float64, as fresh leaves that require grad."""
+    return {n: None if x is None else x.detach().double().requires_grad_() for n, x in inputs.items()}
+
+
+def rel_err(a, ref):
+    """max |a - ref| / max |ref|, 0 for empty tensors."""
+    if ref.numel() == 0:
+        return 0.0
+    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def call(fn, inputs, **kw):
+    args = dict(inputs)
+    return fn(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), **args, **kw)
+
+
+def forward_and_grads(fn, inputs, output_final_state=True, seed=1, **kw):
+    """o, final state and the gradients of every given input under random upstream gradients."""
+    leaves = {n: x for n, x in inputs.items() if x is not None}
+    for x in leaves.values():
+        x.requires_grad_()
+    o, ht = call(fn, inputs, output_final_state=output_final_state, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    # drawn in float64 whatever the output dtype, so that every caller sees the same values
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
+    if output_final_state:
+        loss = loss + (ht * torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.dtype)).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    return o, ht, dict(zip(leaves, grads))
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+# (with_h0, output_final_state, reverse)
+FWD_MODES = [(False, False, False), (True, True, False), (True, True, True), (False, True, True)]
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("T", [0, 1, 63, 64, 65, 130])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("mode", FWD_MODES, ids=lambda m: "h0{}-ht{}-rev{}".format(*map(int, m)))
+def test_forward_matches_naive(gate, T, dtype, tol, mode):
+    with_h0, output_final_state, reverse = mode
+    inputs = make_inputs(gate, T=T, dtype=dtype, with_h0=with_h0)
+    kw = dict(output_final_state=output_final_state, reverse=reverse)
+    o, ht = call(chunk_gla, inputs, **kw)
+    o_ref, ht_ref = call(naive_recurrent_gla, as_reference(inputs), **kw)
+    assert o.shape == o_ref.shape and o.dtype == dtype
+    assert rel_err(o, o_ref) <= tol
+    if output_final_state:
+        assert ht.shape == ht_ref.shape and rel_err(ht, ht_ref) <= tol
+    else:
+        assert ht is None
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("K,V", [(5, 12), (96, 5), (12, 96)])
+def test_forward_odd_head_dims(gate, K, V):
+    inputs = make_inputs(gate, T=70, H=1, K=K, V=V, dtype=torch.float32)
+    o, ht = call(chunk_gla, inputs, output_final_state=True)
+    o_ref, ht_ref = call(naive_recurrent_gla, as_reference(inputs), output_final_state=True)
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_forward_bf16(gate, reverse):
+    inputs = make_inputs(gate, T=100, dtype=torch.bfloat16)
+    o, ht = call(chunk_gla, inputs, output_final_state=True, reverse=reverse)
+    o_ref, ht_ref = call(naive_recurrent_gla, as_reference(inputs), output_final_state=True, reverse=reverse)
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    assert rel_err(o, o_ref) <= 1e-2 and rel_err(ht, ht_ref) <= 1e-2
+
+
+def test_output_dtypes_and_contiguity():
+    inputs = make_inputs("vector", T=10, dtype=torch.bfloat16)
+    inputs["v"] = inputs["v"].float()
+    # non-contiguous q: the op must not assume a layout
+    inputs["q"] = inputs["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    o, ht = call(chunk_gla, inputs, output_final_state=True)
+    assert o.dtype == torch.float32 and o.is_contiguous()
+    assert ht.dtype == torch.float32 and ht.is_contiguous()
+    o_ref, _ = call(naive_recurrent_gla, as_reference(inputs))
+    assert rel_err(o, o_ref) <= 1e-5
+
+    raw = torch.ops.gla_inductor.chunk_fwd(*make_inputs("none", T=3).values(), 1.0, False, False)
+    assert raw[1].shape == (0,)
+
+
+def test_outputs_contiguous_for_strided_state():
+    # T = 0 passes the state straight through; the outputs must still be fresh and contiguous
+    inputs = make_inputs("vector", T=0, K=4, V=3)
+    inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    dht = torch.randn(2, 2, 3, 4, dtype=torch.float64).transpose(-1, -2)
+    _, ht = torch.ops.gla_inductor.chunk_fwd(*inputs.values(), 1.0, True, False)
+    do = torch.zeros(2, 0, 2, 3, dtype=torch.float64)
+    grads = torch.ops.gla_inductor.chunk_bwd(*inputs.values(), do, dht, 1.0, False)
+    assert ht.is_contiguous() and all(x.is_contiguous() for x in grads)
+    torch.testing.assert_close(ht, inputs["initial_state"])
+    torch.testing.assert_close(grads[5], dht)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+
+def check_grads(inputs, tol, **kw):
+    o, ht, grads = forward_and_grads(chunk_gla, inputs, **kw)
+    o_ref, ht_ref, grads_ref = forward_and_grads(naive_recurrent_gla, as_reference(inputs), **kw)
+    assert rel_err(o, o_ref) <= tol
+    if kw.get("output_final_state", True):
+        assert rel_err(ht, ht_ref) <= tol
+    for name, ref in grads_ref.items():
+        got = grads[name]
+        assert got.shape == inputs[name].shape and got.dtype == inputs[name].dtype, name
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, ref) <= tol, f"d{name}: {rel_err(got, ref):.3g}"
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("T", [1, 65, 130])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_grads_match_naive(gate, T, reverse):
+    check_grads(make_inputs(gate, T=T), 1e-10, reverse=reverse)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+def test_grads_without_state_io(gate):
+    # no initial state, no final state: dht is None inside the backward
+    check_grads(make_inputs(gate, T=70, with_h0=False), 1e-10, output_final_state=False)
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_grads_fp32(gate):
+    check_grads(make_inputs(gate, T=130, dtype=torch.float32), 1e-5)
+
+
+def test_grads_bf16_dtypes():
+    inputs = make_inputs("vector", T=20, dtype=torch.bfloat16)
+    _, _, grads = forward_and_grads(chunk_gla, inputs)
+    assert all(grads[n].dtype == torch.bfloat16 for n in grads)
+
+
+def test_empty_sequence_grads():
+    # T = 0: the final state is the initial state, so dh0 = dht and nothing else has gradient entries
+    inputs = make_inputs("vector", T=0)
+    check_grads(inputs, 1e-12)
+
+
+def test_empty_batch():
+    inputs = make_inputs("vector", B=0, T=70)
+    o, ht, grads = forward_and_grads(chunk_gla, inputs)
+    assert o.shape == (0, 70, 2, 6) and ht.shape == (0, 2, 5, 6)
+    assert all(grads[n].shape == inputs[n].shape for n in grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# numerical stability
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector", "constant"])
+def test_strong_decay_long_sequence(gate):
+    # log-gates down to -20 per step: chunk-wide cumulative gates reach ~ -1000, and G_i - G_j over
+    # the whole sequence would be ~ -40000; nothing may overflow or lose the well-scaled terms
+    inputs = make_inputs(gate, B=1, T=4096, H=1, K=4, V=4, dtype=torch.float32, with_h0=True,
+                         g_fn=lambda shape: -20 * torch.rand(shape, dtype=torch.float64))
+    check_grads(inputs, 1e-5)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector", "constant"])
+def test_positive_log_gates(gate):
+    inputs = make_inputs(gate, B=1, T=200, H=2, K=4, V=4, dtype=torch.float32,
+                         g_fn=lambda shape: torch.full(shape, 0.05, dtype=torch.float64))
+    check_grads(inputs, 1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# op registrations
+# ----------------------------------------------------------------------------------------------
+
+
+def fwd_args(gate, with_h0, output_final_state, reverse, dtype=torch.float32, T=70):
+    inputs = make_inputs(gate, B=1, T=T, H=2, K=4, V=3, dtype=dtype, with_h0=with_h0)
+    for x in inputs.values():
+        if x is not None:
+            x.requires_grad_()
+    return (*inputs.values(), 0.5, output_final_state, reverse)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        fwd_args("vector", True, True, False),
+        fwd_args("none", False, False, True),
+        fwd_args("scalar", True, False, False, dtype=torch.bfloat16, T=5),
+        fwd_args("constant", False, True, True, dtype=torch.float64),
+    ],
+    ids=["vector-h0-ht", "none-rev", "scalar-bf16", "constant-fp64"],
+)
+def test_opcheck_chunk_fwd(args):
+    torch.library.opcheck(torch.ops.gla_inductor.chunk_fwd.default, args)
+
+
+@pytest.mark.parametrize("gate,with_dht", [("vector", True), ("none", False), ("constant", True)])
+def test_opcheck_chunk_bwd(gate, with_dht):
+    inputs = make_inputs(gate, B=1, T=70, H=2, K=4, V=3, dtype=torch.float32, with_h0=with_dht)
+    do = torch.randn(1, 70, 2, 3)
+    dht = torch.randn(1, 2, 4, 3) if with_dht else None
+    torch.library.opcheck(torch.ops.gla_inductor.chunk_bwd.default, (*inputs.values(), do, dht, 0.5, False))
+
+
+def test_cuda_registry_is_ignored_on_cpu():
+    saved = dict(ops._CUDA_IMPL)
+
+    def fail(*args):
+        raise AssertionError("CUDA impl used for CPU tensors")
+
+    try:
+        ops.register_cuda_impl(fwd=fail, bwd=fail)
+        ops.register_cuda_impl()  # None keeps the entries
+        assert ops._CUDA_IMPL == {"fwd": fail, "bwd": fail}
+        check_grads(make_inputs("vector", T=3), 1e-10)
+    finally:
+        ops._CUDA_IMPL.update(saved)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+
+
+def bad(**changes):
+    def build():
+        inputs = make_inputs("vector", B=2, T=6, H=4, K=8, V=3, dtype=torch.float32)
+        inputs.update({n: f(inputs) if callable(f) else f for n, f in changes.items()})
+        return inputs
+
+    return build
+
+
+VALIDATION_CASES = {
+    "q-3d": (bad(q=lambda i: i["q"][0]), ValueError, r"q has shape \(6, 4, 8\); expected q to be 4-D"),
+    "k-shape": (bad(k=lambda i: i["k"][:, :5]), ValueError,
+                r"k has shape \(2, 5, 4, 8\) but q has shape \(2, 6, 4, 8\); expected k to be "
+                r"\[B, T, H, K\] = \[2, 6, 4, 8\]"),
+    "v-shape": (bad(v=lambda i: i["v"][:, :, :3]), ValueError,
+                r"expected v to be \[B, T, H, V\] = \[2, 6, 4, V\]"),
+    "g-vector": (bad(g=lambda i: i["g"][..., :7]), ValueError,
+                 r"expected g to be \[B, T, H, K\] = \[2, 6, 4, 8\]"),
+    "g-scalar": (bad(g=torch.zeros(2, 6, 3)), ValueError, r"expected g to be \[B, T, H\] = \[2, 6, 4\]"),
+    "g_gamma": (bad(g=None, g_gamma=torch.zeros(3)), ValueError, r"expected g_gamma to be \[H\] = \[4\]"),
+    "both-gates": (bad(g_gamma=torch.zeros(4)), ValueError, r"both g and g_gamma"),
+    "h0": (bad(initial_state=torch.zeros(2, 4, 3, 8)), ValueError,
+           r"expected initial_state to be \[B, H, K, V\] = \[2, 4, 8, 3\]"),
+    "dtype": (bad(k=lambda i: i["k"].long()), TypeError, r"k has dtype torch.int64; expected float16"),
+    "not-tensor": (bad(v=[1.0]), TypeError, r"v must be a torch.Tensor, got list"),
+    "device": (bad(initial_state=torch.zeros(2, 4, 8, 3, device="meta")), ValueError,
+               r"initial_state is on meta but q is on cpu"),
+}
+
+
+@pytest.mark.parametrize("case", VALIDATION_CASES, ids=list(VALIDATION_CASES))
+def test_validation_errors(case):
+    build, error, match = VALIDATION_CASES[case]
+    with pytest.raises(error, match=match):
+        call(chunk_gla, build())
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile
+# ----------------------------------------------------------------------------------------------
+
+
+def compiled_chunk_gla(backend, gate_kw, **compile_kw):
+    torch._dynamo.reset()
+
+    def fn(q, k, v, g, initial_state):
+        return chunk_gla(q, k, v, g, **gate_kw, initial_state=initial_state, output_final_state=True)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, **compile_kw)
+    return lambda q, k, v, g, **kw: compiled(q, k, v, g, kw["initial_state"])
+
+
+@pytest.mark.parametrize("gate", ["vector", "constant"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_aot_eager(gate, dynamic):
+    inputs = make_inputs(gate, T=70, dtype=torch.float32)
+    gate_kw = {"g_gamma": inputs.pop("g_gamma")} if gate == "constant" else {}
+    inputs.pop("g_gamma", None)
+    compiled = compiled_chunk_gla("aot_eager", gate_kw, dynamic=dynamic)
+    eager_inputs = {n: None if x is None else x.clone() for n, x in inputs.items()}
+    o, ht, grads = forward_and_grads(compiled, inputs)
+    o_ref, ht_ref, grads_ref = forward_and_grads(
+        lambda *args, **kw: chunk_gla(*args, **gate_kw, **kw), eager_inputs
+    )
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(ht, ht_ref)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
+
+
+def test_compile_graphs_hold_opaque_ops():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes = {}
+
+    def capture(kind):
+        def compiler(gm, example_inputs):
+            codes[kind] = gm.code
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=capture("fw"), bw_compiler=capture("bw"))
+    inputs = make_inputs("vector", T=70, dtype=torch.float32)
+    inputs.pop("g_gamma")
+    forward_and_grads(compiled_chunk_gla(backend, {}), inputs)
+    assert "gla_inductor.chunk_fwd" in codes["fw"] and "chunk_bwd" not in codes["fw"]
+    assert "gla_inductor.chunk_bwd" in codes["bw"] and "chunk_fwd" not in codes["bw"]
