@@ -11,7 +11,8 @@ Factors are
               (``k[:, t]`` is the atom ``k`` with axis 1 fixed to ``t``);
   * ``exp``   the exponential of a linear form (itself a list of monomials);
   * ``const`` a tensor that depends only on constants and sizes (a mask), evaluated later;
-  * ``tri``   the triangular mask that ``tril``/``triu`` multiplies in.
+  * ``tri``   the triangular mask that ``tril``/``triu`` multiplies in;
+  * ``scalar`` a number computed in the graph (a symbolic ``K ** -0.5``).
 
 Broadcast-multiply-sum, ``matmul``, ``bmm``, ``einsum``, scalar scales, casts, views,
 permutes and keepdim slices all canonicalize to the same representation, so the
@@ -52,10 +53,10 @@ class Atom:
 
 @dataclass(frozen=True)
 class Factor:
-    kind: str  # "atom" | "exp" | "const" | "tri"
+    kind: str  # "atom" | "exp" | "const" | "tri" | "scalar"
     idx: tuple = ()  # a var (int) or None (size-1 axis) per axis of the factor's tensor
     atom: Optional[Atom] = None  # kind == "atom"
-    node: Optional[fx.Node] = None  # kind == "const"
+    node: Optional[fx.Node] = None  # kind == "const" or "scalar"
     negate: bool = False  # kind == "const": the factor is (not value)
     inner: tuple = ()  # kind == "exp": monomials of the exponent
     lower: bool = True  # kind == "tri": tril (True) or triu
@@ -72,6 +73,9 @@ class AV:
     out: tuple
     terms: tuple
     keep: Optional[Factor] = None  # where keep == 0 the value is -inf (masked_fill(-inf))
+    # Ids of the fresh values whose variables this one uses: operands whose origins are
+    # disjoint cannot share a variable, so only overlapping ones need renaming.
+    origin: frozenset = frozenset()
 
 
 def _rank(node: fx.Node) -> int:
@@ -152,7 +156,10 @@ class Analyzer:
             mp[v] = nv
         out = tuple(mp[v] if v is not None else None for v in av.out)
         keep = _sub_factor(av.keep, mp) if av.keep is not None else None
-        return AV(out, tuple(_sub_mono(m, mp) for m in av.terms), keep)
+        return AV(out, tuple(_sub_mono(m, mp) for m in av.terms), keep, self.new_origin())
+
+    def new_origin(self) -> frozenset:
+        return frozenset((next(self._counter),))
 
     # ---- entry -----------------------------------------------------------------------
     def value(self, node: Any) -> Optional[AV]:
@@ -179,11 +186,11 @@ class Analyzer:
         node = self.canon.get(node, node)
         if self.consts.is_const(node):
             if self.consts.is_zeros(node):
-                return AV(tuple(self.fresh(s) for s in val.shape), ())
+                return AV(tuple(self.fresh(s) for s in val.shape), (), None, self.new_origin())
             out = tuple(self.fresh(s) for s in val.shape)
-            return AV(out, ((1.0, (Factor("const", out, node=node),)),))
+            return AV(out, ((1.0, (Factor("const", out, node=node),)),), None, self.new_origin())
         out = tuple(self.fresh(s) for s in val.shape)
-        return AV(out, ((1.0, (Factor("atom", out, atom=Atom(node)),)),))
+        return AV(out, ((1.0, (Factor("atom", out, atom=Atom(node)),)),), None, self.new_origin())
 
     # ---- dispatch --------------------------------------------------------------------
     def _compute(self, node: fx.Node) -> Optional[AV]:
@@ -214,7 +221,11 @@ class Analyzer:
         if isinstance(x, fx.Node):
             av = self.value(x)
             if av is None:
-                raise _Opaque
+                val = example_value(x)
+                if not isinstance(val, (int, float, torch.SymInt, torch.SymFloat)) or isinstance(val, bool):
+                    raise _Opaque
+                # A number computed in the graph (K ** -0.5 under dynamic shapes).
+                av = AV((), ((1.0, (Factor("scalar", node=x),)),), None, self.new_origin())
             return x, av
         if isinstance(x, (int, float)) and not isinstance(x, bool):
             return None, float(x)
@@ -227,6 +238,7 @@ class Analyzer:
         same index; labels missing from out_labels are summed."""
         multi = len(operands) > 1
         insts = []
+        seen: frozenset = frozenset()
         for node, av, labels in operands:
             if multi and self._cut(node, av):
                 av = self.atom_av(node)  # see module docstring
@@ -234,7 +246,10 @@ class Analyzer:
                     raise _Opaque
             elif not multi and av.keep is not None:
                 raise _Opaque
-            insts.append((self.instantiate(av), labels))
+            if av.origin & seen or not av.origin:
+                av = self.instantiate(av)
+            seen |= av.origin
+            insts.append((av, labels))
         rep: dict = {}
         size: dict = {}
         mp: dict = {}
@@ -267,7 +282,7 @@ class Analyzer:
                     if not isinstance(size[lab], int):
                         raise _Opaque
                     terms[i] = (m[0] * size[lab], m[1])
-        return AV(out, tuple(terms))
+        return AV(out, tuple(terms), None, seen)
 
     def _cut(self, node: fx.Node, av: AV) -> bool:
         """Whether a product operand is read as an opaque atom rather than expanded.
@@ -291,8 +306,8 @@ class Analyzer:
 
     def _scaled(self, av: AV, c: float) -> AV:
         if c == 0.0:
-            return AV(av.out, ())
-        return AV(av.out, tuple((m[0] * c, m[1]) for m in av.terms), av.keep)
+            return AV(av.out, (), None, av.origin)
+        return AV(av.out, tuple((m[0] * c, m[1]) for m in av.terms), av.keep, av.origin)
 
     # ---- arithmetic ------------------------------------------------------------------
     def _op_mul(self, node, a, b, **kw):
@@ -342,8 +357,11 @@ class Analyzer:
         rank = len(shape)
         out_vars = [None] * rank
         terms: list = []
+        seen: frozenset = frozenset()
         for nx, vx, _ in parts:
-            vx = self.instantiate(vx)
+            if vx.origin & seen or not vx.origin:
+                vx = self.instantiate(vx)
+            seen |= vx.origin
             off = rank - len(vx.out)
             mp = {}
             for p, v in enumerate(vx.out):
@@ -358,7 +376,7 @@ class Analyzer:
         for p, s in enumerate(shape):
             if out_vars[p] is None and not (isinstance(s, int) and s == 1):
                 out_vars[p] = self.fresh(s)  # a broadcast axis no term depends on
-        return AV(tuple(out_vars), tuple(terms))
+        return AV(tuple(out_vars), tuple(terms), None, seen)
 
     def _op_exp(self, node, a, **kw):
         _, va = self._operand(a)
@@ -384,7 +402,7 @@ class Analyzer:
         factors = (Factor("exp", inner=inner),) if inner else ()
         if va.keep is not None:
             factors += (va.keep,)
-        return AV(va.out, ((1.0, factors),))
+        return AV(va.out, ((1.0, factors),), None, va.origin)
 
     # ---- contractions ----------------------------------------------------------------
     def _op_sum(self, node, a, dim=None, keepdim=False, dtype=None, **kw):
@@ -400,7 +418,7 @@ class Analyzer:
             out = list(res.out)
             for i in sorted(dims):
                 out.insert(i, None)
-            res = AV(tuple(out), res.terms)
+            res = AV(tuple(out), res.terms, None, res.origin)
         return res
 
     def _op_matmul(self, node, a, b, **kw):
@@ -467,7 +485,7 @@ class Analyzer:
 
     # ---- views -----------------------------------------------------------------------
     def _relabel(self, av: AV, out: tuple) -> AV:
-        return AV(out, av.terms, av.keep)
+        return AV(out, av.terms, av.keep, av.origin)
 
     def _op_identity(self, node, a, *args, **kw):
         na, va = self._operand(a)
@@ -545,7 +563,7 @@ class Analyzer:
         v = av.out[pos]
         out = av.out[:pos] + av.out[pos + 1 :]
         if v is None:
-            return AV(out, av.terms, av.keep)
+            return AV(out, av.terms, av.keep, av.origin)
         if isinstance(size, int):
             index = index % size
         elif index < 0:
@@ -566,7 +584,7 @@ class Analyzer:
             terms.append((coef, tuple(new_fs)))
         if av.keep is not None and v in factor_vars(av.keep):
             return None
-        return AV(out, tuple(terms), av.keep)
+        return AV(out, tuple(terms), av.keep, av.origin)
 
     def _op_getitem(self, node, a, index, **kw):
         if isinstance(a, fx.Node) and op_name(a) == "unbind":
@@ -593,7 +611,7 @@ class Analyzer:
             if i is None:
                 out = list(cur.out)
                 out.insert(out_pos, None)
-                cur = AV(tuple(out), cur.terms, cur.keep)
+                cur = AV(tuple(out), cur.terms, cur.keep, cur.origin)
                 out_pos += 1
             elif isinstance(i, slice):
                 size = shape[src_pos]
@@ -606,7 +624,7 @@ class Analyzer:
                         return None
                     out = list(cur.out)
                     out.insert(out_pos, None)
-                    cur = AV(tuple(out), cur.terms, cur.keep)
+                    cur = AV(tuple(out), cur.terms, cur.keep, cur.origin)
                     out_pos += 1
                 else:
                     return None
@@ -636,7 +654,7 @@ class Analyzer:
             return None
         out = list(cur.out)
         out.insert(d, None)
-        return AV(tuple(out), cur.terms, cur.keep)
+        return AV(tuple(out), cur.terms, cur.keep, cur.origin)
 
     # ---- masks -----------------------------------------------------------------------
     def _mask_factor(self, mask, target_out: tuple, negate: bool) -> Optional[Factor]:
@@ -665,9 +683,9 @@ class Analyzer:
         if keep is None:
             return None
         if value == 0:
-            return AV(vx.out, tuple((c, fs + (keep,)) for c, fs in vx.terms))
+            return AV(vx.out, tuple((c, fs + (keep,)) for c, fs in vx.terms), None, vx.origin)
         if value == float("-inf"):
-            return AV(vx.out, vx.terms, keep)
+            return AV(vx.out, vx.terms, keep, vx.origin)
         return None
 
     def _op_masked_fill(self, node, x, mask, value, **kw):
@@ -695,7 +713,7 @@ class Analyzer:
         if len(va.out) < 2 or None in va.out[-2:] or va.keep is not None:
             return None
         f = Factor("tri", va.out[-2:], lower=lower, diagonal=diagonal)
-        return AV(va.out, tuple((c, fs + (f,)) for c, fs in va.terms))
+        return AV(va.out, tuple((c, fs + (f,)) for c, fs in va.terms), None, va.origin)
 
 
 class _Opaque(Exception):

@@ -120,15 +120,19 @@ class Emitter:
     def lift(self, group: Group, out: str, full: bool = True) -> fx.Node:
         """One tensor with axes `out` (role letters) equal to the group's product; axes no
         factor has are broadcast (expanded when `full`)."""
-        if not group.factors:
-            raise EmitError("empty group")
+        tensors = [f for f in group.factors if isinstance(example_value(f.node), torch.Tensor)]
+        scalars = [f.node for f in group.factors if f not in tensors]
+        if not tensors:
+            raise EmitError("a group without a tensor")
         present = set()
-        for f in group.factors:
+        for f in tensors:
             present |= set(f.letters) - {"1"}
         if not present <= set(out):
             raise EmitError(f"group has axes {sorted(present)} outside {out}")
         inner = "".join(c for c in out if c in present)
-        node = self._einsum(group.factors, inner)
+        node = self._einsum(tensors, inner)
+        for s in scalars:
+            node = self.call(torch.mul, node, s)
         if group.coef != 1.0:
             node = self.call(torch.mul, node, group.coef)
         return self.place(node, inner, out, full)
@@ -189,6 +193,19 @@ def _fake_mode(graph: fx.Graph):
         if isinstance(val, FakeTensor):
             return val.fake_mode
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def sizes_from(factors) -> dict:
+    """Role letter -> (node, axis) of an input that has that axis; b and h default to 1."""
+    sizes: dict = {"b": 1, "h": 1}
+    for lf in factors:
+        val = example_value(lf.node)
+        if not isinstance(val, torch.Tensor):
+            continue
+        for axis, c in enumerate(lf.letters):
+            if c != "1" and (c not in sizes or sizes[c] == 1):
+                sizes[c] = (lf.node, axis)
+    return sizes
 
 
 def select_fixed(em: Emitter, node: fx.Node, fixed: tuple, time_axis: Optional[int]) -> fx.Node:

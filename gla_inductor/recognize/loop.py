@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .algebra import AV, Analyzer, Factor, Mono, _rank, factor_vars, mono_vars, op_name
-from .emit import EmitError, Emitter, Group, LFactor
+from .emit import Emitter, Group, LFactor, sizes_from
 from .match import Match, NearMiss
 
 BATCH_LETTERS = ("b", "h")
@@ -387,7 +387,7 @@ def _group(factors, coef, letter, ctx, allow_empty=True):
     """(signature, Group) of a product of atoms."""
     lfs = []
     for f in factors:
-        if f.kind == "const":
+        if f.kind in ("const", "scalar"):
             lfs.append(LFactor(f.node, _letters(f.idx, letter)))
             continue
         if f.kind != "atom":
@@ -463,7 +463,7 @@ def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
     out_letters = _assembly_letters(asm, reads, st_last, roles)
     state_letters = "".join(roles.letter(p) if v is not None else "1" for p, v in enumerate(st_last.av.out))
     scale = last["scale"]
-    sizes = _role_sizes(st_last.node, state_letters, last)
+    sizes = _role_sizes(last)
     shapes = {c.upper(): _size(*sizes[c]) if isinstance(sizes[c], tuple) else sizes[c] for c in "bthkv" if c in sizes}
     q_layout = last["q"][1].factors[0].letters if last["q"][1].factors else ""
 
@@ -528,16 +528,9 @@ def _assembly_letters(asm: Assembly, reads: dict, st_last: Step, roles: Roles) -
     return elem[: asm.dim] + "t" + elem[asm.dim :]
 
 
-def _role_sizes(state: fx.Node, state_letters: str, last) -> dict:
-    sizes: dict = {"b": 1, "h": 1}
-    for i, c in enumerate(state_letters):
-        if c != "1":
-            sizes[c] = (state, i)
-    for _, grp in (last["q"], last["k"], last["v"]):
-        for lf in grp.factors:
-            if "t" in lf.letters:
-                sizes["t"] = (lf.node, lf.letters.index("t"))
-    return sizes
+def _role_sizes(last) -> dict:
+    factors = [lf for key in ("q", "k", "v") for lf in last[key][1].factors]
+    return sizes_from(factors)
 
 
 def _emit_op(em: Emitter, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse):

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from .algebra import AV, Analyzer, Factor, factor_vars, mono_vars
 from .consts import example_value
-from .emit import Emitter, Group, LFactor
+from .emit import Emitter, Group, LFactor, sizes_from
 from .loop import Reject, _cast
 from .match import Match, NearMiss
 
@@ -119,9 +119,12 @@ def _analyze(an: Analyzer, node: fx.Node, av: AV) -> Match:
     coef, fs = av.terms[0]
     letter = {x: "bh"[n] for n, x in enumerate(r.batch)}
     letter.update({r.kk: "k", r.vv: "v"})
-    masks, exps = [], []
+    masks, exps, scalars = [], [], []
     for f in fs:
         if f.kind == "atom":
+            continue
+        if f.kind == "scalar":
+            scalars.append(LFactor(f.node, ""))
             continue
         if not factor_vars(f) <= set(r.batch) | {r.i, r.j, r.kk}:
             raise Reject("the decay is indexed by the value axis")
@@ -135,7 +138,7 @@ def _analyze(an: Analyzer, node: fx.Node, av: AV) -> Match:
     if not torch.all(mask[tri] == 1):
         raise Reject("the mask is not a 0/1 mask")
     gate = _gate(an, exps, r, letter)
-    return _build(an, node, av, r, letter, gate, coef)
+    return _build(an, node, av, r, letter, gate, coef, scalars)
 
 
 def _mask_product(an: Analyzer, masks: list, r: Roles) -> Optional[torch.Tensor]:
@@ -277,22 +280,18 @@ def _constant_gate(an: Analyzer, const_terms, r: Roles, letter: dict) -> Gate:
     return Gate("constant", terms)
 
 
-def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float) -> Match:
+def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float, scalars: list) -> Match:
     def lf(f: Factor, tvar: int) -> LFactor:
         return LFactor(f.atom.node, "".join("1" if x is None else ("t" if x == tvar else letter[x]) for x in f.idx))
 
     q, k, v = lf(r.q, r.i), lf(r.k, r.j), lf(r.v, r.j)
     out_letters = "".join("1" if x is None else ("t" if x == r.i else letter[x]) for x in av.out)
-    sizes = {"b": 1, "h": 1}
-    for p, x in enumerate(av.out):
-        if x is not None:
-            sizes["t" if x == r.i else letter[x]] = (node, p)
-    sizes["k"] = (q.node, q.letters.index("k"))
+    sizes = sizes_from([q, k, v])
     shapes = {c.upper(): _shape_of(sizes[c]) for c in "bthkv"}
 
     def apply(txn) -> None:
         em = Emitter(txn, node, sizes)
-        qn = em.lift(Group(1.0, (q,)), "bthk")
+        qn = em.lift(Group(1.0, (q, *scalars)), "bthk")
         kn = em.lift(Group(1.0, (k,)), "bthk")
         vn = em.lift(Group(1.0, (v,)), "bthv")
         g, g_gamma = _emit_gate(em, gate)
