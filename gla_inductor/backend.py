@@ -81,6 +81,8 @@ def _cache_key_pass():
             return None
 
         def uuid(self) -> bytes:
-            return get_hash_for_files(files)
+            return get_hash_for_files(self.files)
 
-    return GLACacheKey()
+    key = GLACacheKey()
+    key.files = files
+    return key

@@ -311,3 +311,21 @@ NEAR_MISSES = [
     Spelling("near_non_causal", near_non_causal, head_first("scalar"), 0, "parallel"),
     Spelling("near_shifted_mask", near_shifted_mask, head_first("scalar"), 0, "parallel"),
 ]
+
+
+def loop_fused_qkv(qkv, g):
+    """q, k, v unbound from one fused projection [B, T, 3, H, D]: two integer indices."""
+    q, k, v = qkv.unbind(2)
+    S = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    o = torch.zeros_like(v)
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        o[:, t] = (q[:, t, :, :, None] * S).sum(-2)
+    return o
+
+
+def make_fused_qkv(dtype=torch.float32):
+    return _randn(B, T, 3, H, K, dtype=dtype), _gate(B, T, H, K, dtype=dtype)
+
+
+SPELLINGS.append(Spelling("loop_fused_qkv", loop_fused_qkv, make_fused_qkv, 1))

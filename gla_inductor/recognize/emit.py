@@ -33,6 +33,7 @@ class LFactor:
 
     node: fx.Node
     letters: str
+    select: tuple = ()  # (axis, index) of `node` fixed first; letters name the axes left
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,19 @@ class Emitter:
                 node = self.call("expand", node, *sizes, op="call_method")
         return node
 
+    def as_float32(self, node: fx.Node) -> fx.Node:
+        if example_value(node).dtype != torch.float32:
+            node = self.call("float", node, op="call_method")
+        return node
+
+    def expand_to(self, node: fx.Node, letters: str) -> fx.Node:
+        """Broadcast to the full size of every axis in `letters` (a no-op when it is)."""
+        sizes = [self.size(c) for c in letters]
+        symbolic = any(isinstance(s, fx.Node) for s in sizes)
+        if symbolic or tuple(example_value(node).shape) != tuple(sizes):
+            node = self.call("expand", node, *sizes, op="call_method")
+        return node
+
     def relayout(self, node: fx.Node, have: str, want: str) -> fx.Node:
         """From axes `have` to `want`: drops size-1 letters not wanted, permutes, inserts
         '1' axes."""
@@ -172,7 +186,7 @@ class Emitter:
 
     def _einsum(self, factors, out: str) -> fx.Node:
         if len(factors) == 1 and factors[0].letters == out:
-            return factors[0].node
+            return self.selected(factors[0])
         dummy = iter("acdefgijlmnopqrsuwxyz")
         specs = []
         for f in factors:
@@ -181,7 +195,13 @@ class Emitter:
                 spec += next(dummy) if c == "1" else c
             specs.append(spec)
         eq = ",".join(specs) + "->" + out
-        return self.call(torch.einsum, eq, *[f.node for f in factors])
+        return self.call(torch.einsum, eq, *[self.selected(f) for f in factors])
+
+    def selected(self, f: LFactor) -> fx.Node:
+        node = f.node
+        for axis, index in sorted(f.select, reverse=True):
+            node = self.call(torch.select, node, axis, index)
+        return node
 
 
 def _fake_mode(graph: fx.Graph):
@@ -202,20 +222,11 @@ def sizes_from(factors) -> dict:
         val = example_value(lf.node)
         if not isinstance(val, torch.Tensor):
             continue
-        for axis, c in enumerate(lf.letters):
+        selected = {a for a, _ in lf.select}
+        axes = [a for a in range(val.dim()) if a not in selected]
+        for axis, c in zip(axes, lf.letters):
             if c != "1" and (c not in sizes or sizes[c] == 1):
                 sizes[c] = (lf.node, axis)
     return sizes
 
 
-def select_fixed(em: Emitter, node: fx.Node, fixed: tuple, time_axis: Optional[int]) -> fx.Node:
-    """Apply the non-time fixed selections of an atom to its base node."""
-    for axis, index in sorted(fixed, reverse=True):
-        if axis == time_axis:
-            continue
-        node = em.call(torch.select, node, axis, index)
-    return node
-
-
-def is_exp_factor(f: Factor) -> bool:
-    return f.kind == "exp"

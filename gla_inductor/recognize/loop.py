@@ -263,7 +263,8 @@ def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly]) -> M
     roles = _roles(chain, reads)
     n = len(chain)
     _check_state_free(chain)
-    lifted = [_lift_step(an, st, reads.get(st.node), roles) for st in chain]
+    time_axes = _time_axes(chain, reads)
+    lifted = [_lift_step(an, st, reads.get(st.node), roles, time_axes) for st in chain]
     taus = [lf["tau"] for lf in lifted]
     if any(t is None for t in taus):
         raise Reject("a step reads no time slice of its inputs")
@@ -305,6 +306,30 @@ def _check_state_free(chain: list[Step]) -> None:
             for f in fs:
                 if f.kind == "atom" and f.atom.node in derived:
                     raise Reject("the update reads the state it updates (delta-rule style)")
+
+
+def _time_axes(chain: list[Step], reads: dict) -> set:
+    """(node, axis) pairs whose integer indices change from step to step: the time axes.
+    Constant selections (q, k, v of `qkv.unbind(2)`) index the same set in every step."""
+    per_step = []
+    for st in chain:
+        values: dict = {}
+
+        def visit(factors):
+            for f in factors:
+                if f.kind == "atom":
+                    for axis, index in f.atom.fixed:
+                        values.setdefault((f.atom.node, axis), set()).add(index)
+                for _, inner in f.inner:
+                    visit(inner)
+
+        for _, fs in st.av.terms:
+            visit(fs)
+        if st.node in reads:
+            visit(reads[st.node].q)
+        per_step.append(values)
+    keys = set().union(*[v.keys() for v in per_step])
+    return {key for key in keys if len({frozenset(v.get(key, ())) for v in per_step}) > 1}
 
 
 def _assembly_of(an: Analyzer, chain, states, outputs):
@@ -350,12 +375,12 @@ def _roles(chain, reads) -> Roles:
     return Roles(kpos, vpos, batch)
 
 
-def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles) -> dict:
+def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_axes: set) -> dict:
     """Per-step structure with index vars replaced by role letters and time slices by 't'."""
     letter = {v: roles.letter(p) for p, v in enumerate(st.av.out) if v is not None}
     vvar = st.av.out[roles.vpos]
     kvar = st.av.out[roles.kpos]
-    ctx = {"taus": set(), "time_axes": set()}
+    ctx = {"taus": set(), "time_axes": set(), "is_time": time_axes}
     kf = [f for f in st.outer[1] if kvar in factor_vars(f)]
     vf = [f for f in st.outer[1] if kvar not in factor_vars(f)]
     if any(vvar in factor_vars(f) for f in kf):
@@ -395,7 +420,7 @@ def _group(factors, coef, letter, ctx, allow_empty=True):
         lfs.append(_atom_lfactor(f, letter, ctx))
     if not lfs and not allow_empty:
         raise Reject("an output has no query factor")
-    sig = (coef, tuple(sorted((lf.node.name, lf.letters) for lf in lfs)))
+    sig = (coef, tuple(sorted((lf.node.name, lf.letters, lf.select) for lf in lfs)))
     return sig, Group(coef, tuple(lfs))
 
 
@@ -413,15 +438,22 @@ def _letters(idx, letter) -> str:
 
 def _atom_lfactor(f: Factor, letter, ctx) -> LFactor:
     atom = f.atom
-    if len(atom.fixed) > 1:
-        raise Reject("an input is indexed at more than one integer position")
     letters = list(_letters(f.idx, letter))
-    if atom.fixed:
-        axis, tau = atom.fixed[0]
-        letters.insert(axis, "t")
-        ctx["taus"].add(tau)
-        ctx["time_axes"].add((atom.node, axis))
-    return LFactor(atom.node, "".join(letters))
+    select = []
+    for axis, index in atom.fixed:
+        if (atom.node, axis) in ctx["is_time"]:
+            ctx["taus"].add(index)
+            ctx["time_axes"].add((atom.node, axis))
+        else:
+            select.append((axis, index))
+    time = [a for a, _ in atom.fixed if (atom.node, a) in ctx["is_time"]]
+    if len(time) > 1:
+        raise Reject("an input is indexed by the step at more than one position")
+    if time:
+        # letters name the axes left after every fixed axis; put 't' back among them
+        remaining = [a for a in range(_rank(atom.node)) if a not in {a for a, _ in select}]
+        letters.insert(remaining.index(time[0]), "t")
+    return LFactor(atom.node, "".join(letters), tuple(select))
 
 
 def _decay(an: Analyzer, st: Step, letter, vvar, kvar, ctx):
@@ -444,7 +476,7 @@ def _decay(an: Analyzer, st: Step, letter, vvar, kvar, ctx):
             terms.append((1.0, (_atom_lfactor(f, letter, ctx),), True))
         else:
             raise Reject("the decay is not exp(...) of a log-gate or a positive constant")
-    sig = (coef, tuple(sorted((c, tuple((lf.node.name, lf.letters) for lf in lfs), lg) for c, lfs, lg in terms)))
+    sig = (coef, tuple(sorted((c, tuple((lf.node.name, lf.letters, lf.select) for lf in lfs), lg) for c, lfs, lg in terms)))
     return sig, (coef, terms)
 
 
@@ -471,10 +503,12 @@ def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
         anchor = _anchor(an, asm)
         _check_before(an, anchor, _dependencies(last, head))
         em = Emitter(txn, anchor, sizes)
-        o, ht = _emit_op(em, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse)
+        op, o, ht = _emit_op(em, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse)
         o_user = _cast(em, em.relayout(o, "bthv", out_letters), asm.result)
         ht_user = _cast(em, em.relayout(ht, "bhkv", state_letters), st_last.node)
         _rewire(txn, asm, o_user, st_last.node, ht_user)
+        if not ht_user.users:  # nobody reads the final state: the kernel need not store it
+            op.update_arg(7, False)
 
     return Match(
         form="loop",
@@ -546,15 +580,13 @@ def _emit_op(em: Emitter, last, decay, gate_kind, gate_letters, head, state_lett
             g = gate
     h0 = None
     if head.prev is not None:
-        h0 = em.relayout(head.prev, state_letters, "bhkv")
-        h0 = em.call("float", h0, op="call_method")
-        h0 = em.call("contiguous", h0, op="call_method")
+        h0 = em.as_float32(em.relayout(head.prev, state_letters, "bhkv"))
     op = em.call(
         torch.ops.gla_inductor.chunk_fwd.default, q, k, v, g, g_gamma, h0, float(scale), True, reverse
     )
     o = em.call(operator.getitem, op, 0)
     ht = em.call(operator.getitem, op, 1)
-    return o, ht
+    return op, o, ht
 
 
 def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
@@ -574,9 +606,7 @@ def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
         import math
 
         total = em.call(torch.add, total, math.log(coef))
-    total = em.call("float", total, op="call_method")
-    total = em.call("expand", total, *shape, op="call_method")
-    return em.call("contiguous", total, op="call_method")
+    return em.expand_to(em.as_float32(total), letters)
 
 
 def _cast(em: Emitter, node: fx.Node, like: fx.Node) -> fx.Node:

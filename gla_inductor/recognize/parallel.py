@@ -73,8 +73,6 @@ def _same_inputs(a: AV, b: AV) -> bool:
 def _roles(av: AV) -> Roles:
     coef, fs = av.terms[0]
     atoms = [f for f in fs if f.kind == "atom"]
-    if any(f.atom.fixed for f in atoms):
-        raise Reject("an input is indexed at an integer position")
     out = [v for v in av.out if v is not None]
     summed = mono_vars(av.terms[0]) - set(out)
     others = [f for f in fs if f.kind != "atom"]
@@ -282,11 +280,14 @@ def _constant_gate(an: Analyzer, const_terms, r: Roles, letter: dict) -> Gate:
 
 def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float, scalars: list) -> Match:
     def lf(f: Factor, tvar: int) -> LFactor:
-        return LFactor(f.atom.node, "".join("1" if x is None else ("t" if x == tvar else letter[x]) for x in f.idx))
+        letters = "".join("1" if x is None else ("t" if x == tvar else letter[x]) for x in f.idx)
+        return LFactor(f.atom.node, letters, f.atom.fixed)
 
     q, k, v = lf(r.q, r.i), lf(r.k, r.j), lf(r.v, r.j)
     out_letters = "".join("1" if x is None else ("t" if x == r.i else letter[x]) for x in av.out)
     sizes = sizes_from([q, k, v])
+    if not all(c in sizes for c in "tkv"):
+        raise Reject("the sizes of the inputs could not be read")
     shapes = {c.upper(): _shape_of(sizes[c]) for c in "bthkv"}
 
     def apply(txn) -> None:
@@ -316,7 +317,5 @@ def _emit_gate(em: Emitter, gate: Gate):
     for c, lf in gate.terms:
         node = em.lift(Group(c, (lf,)), letters, full=False)
         total = node if total is None else em.call(torch.add, total, node)
-    total = em.call("float", total, op="call_method")
-    total = em.call("expand", total, *[em.size(ch) for ch in letters], op="call_method")
-    total = em.call("contiguous", total, op="call_method")
+    total = em.expand_to(em.as_float32(total), letters)
     return (None, total) if gate.kind == "constant" else (total, None)

@@ -1,0 +1,383 @@
+"""Snapshots of rewritten graphs (fixed small shapes; accept with EXPECTTEST_ACCEPT=1).
+
+The Dynamo graph after the rewrite shows exactly what replaced the naive code; the
+post-grad graphs show the GLA ops in the forward and backward that Inductor lowers."""
+
+import expecttest
+import torch
+from torch._dynamo.testing import normalize_gm
+
+import gla_inductor
+from gla_inductor.backend import rewrite
+from spellings import SPELLINGS
+
+BY_NAME = {s.name: s for s in SPELLINGS}
+
+
+def rewritten_graph(name: str) -> str:
+    sp = BY_NAME[name]
+    graphs = []
+
+    def capture(gm, example_inputs):
+        rewrite(gm)
+        graphs.append(normalize_gm(gm.print_readable(print_output=False)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    torch.compile(sp.fn, backend=capture, fullgraph=True)(*sp.make(torch.float32))
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def post_grad_graphs(name: str) -> list:
+    """The forward and backward graphs after Inductor's post-grad passes."""
+    sp = BY_NAME[name]
+    seen = []
+
+    def record(graph):
+        seen.append(normalize_gm(graph.python_code("self").src))
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    args = [a.requires_grad_() for a in sp.make(torch.float32)]
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=record, fx_graph_cache=False):
+        out = torch.compile(sp.fn, backend=gla_inductor.backend, fullgraph=True)(*args)
+        out = out[0] if isinstance(out, tuple) else out
+        out.sum().backward()
+    return seen
+
+
+class TestRewrittenGraphs(expecttest.TestCase):
+    def test_loop_broadcast_setitem(self):
+        self.assertExpectedInline(rewritten_graph("loop_broadcast_setitem"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 9, 3, 4]", L_v_: "f32[2, 9, 3, 5]", L_g_: "f32[2, 9, 3, 4]", L_k_: "f32[2, 9, 3, 4]"):
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_g_ = L_g_
+        l_k_ = L_k_
+
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(l_q_, l_k_, l_v_, l_g_, None, None, 0.5, False, False);  l_q_ = l_k_ = l_v_ = l_g_ = None
+        getitem_45: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        return (getitem_45,)
+""")
+
+    def test_loop_matmul_stack_scalar(self):
+        self.assertExpectedInline(rewritten_graph("loop_matmul_stack_scalar"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 9, 3, 4]", L_v_: "f32[2, 9, 3, 5]", L_g_: "f32[2, 9, 3]", L_k_: "f32[2, 9, 3, 4]"):
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_g_ = L_g_
+        l_k_ = L_k_
+
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(l_q_, l_k_, l_v_, l_g_, None, None, 1.0, False, False);  l_q_ = l_k_ = l_v_ = l_g_ = None
+        getitem_36: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+
+        mul_9: "f32[2, 9, 3, 5]" = getitem_36 * 0.5;  getitem_36 = None
+        return (mul_9,)
+""")
+
+    def test_loop_head_first_keepdim_cat(self):
+        self.assertExpectedInline(rewritten_graph("loop_head_first_keepdim_cat"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]", L_g_gamma_: "f32[3]", L_k_: "f32[2, 3, 9, 4]"):
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_g_gamma_ = L_g_gamma_
+        l_k_ = L_k_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, None, l_g_gamma_, None, 1.0, False, False);  einsum = einsum_1 = einsum_2 = l_g_gamma_ = None
+        getitem_28: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_28, (0, 2, 1, 3));  getitem_28 = None
+        return (permute,)
+""")
+
+    def test_loop_einsum_state(self):
+        self.assertExpectedInline(rewritten_graph("loop_einsum_state"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h0_: "f32[2, 3, 4, 5]", L_q_: "f32[2, 9, 3, 4]", L_k_: "f32[2, 9, 3, 4]", L_v_: "f32[2, 9, 3, 5]", L_g_: "f32[2, 9, 3, 4]"):
+        l_h0_ = L_h0_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_g_ = L_g_
+
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(l_q_, l_k_, l_v_, l_g_, None, l_h0_, 0.5, True, False);  l_q_ = l_k_ = l_v_ = l_g_ = l_h0_ = None
+        getitem_45: "f32[2, 9, 3, 5]" = chunk_fwd_default[0]
+        getitem_46: "f32[2, 3, 4, 5]" = chunk_fwd_default[1];  chunk_fwd_default = None
+
+        to: "f32[2, 9, 3, 5]" = getitem_45.to(torch.float32);  getitem_45 = None
+        return (to, getitem_46)
+""")
+
+    def test_loop_no_gate_unbind(self):
+        self.assertExpectedInline(rewritten_graph("loop_no_gate_unbind"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 9, 3, 4]", L_v_: "f32[2, 9, 3, 5]", L_k_: "f32[2, 9, 3, 4]"):
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_k_ = L_k_
+
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(l_q_, l_k_, l_v_, None, None, None, 0.5, False, False);  l_q_ = l_k_ = l_v_ = None
+        getitem_54: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        return (getitem_54,)
+""")
+
+    def test_loop_reverse(self):
+        self.assertExpectedInline(rewritten_graph("loop_reverse"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 9, 3, 4]", L_v_: "f32[2, 9, 3, 5]", L_g_: "f32[2, 9, 3, 4]", L_k_: "f32[2, 9, 3, 4]"):
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_g_ = L_g_
+        l_k_ = L_k_
+
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(l_q_, l_k_, l_v_, l_g_, None, None, 1.0, False, True);  l_q_ = l_k_ = l_v_ = l_g_ = None
+        getitem_45: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        return (getitem_45,)
+""")
+
+    def test_loop_bmm_time_major(self):
+        self.assertExpectedInline(rewritten_graph("loop_bmm_time_major"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[9, 6, 4]", L_v_: "f32[9, 6, 5]", L_g_: "f32[9, 6]", L_k_: "f32[9, 6, 4]"):
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_g_ = L_g_
+        l_k_ = L_k_
+
+        einsum: "f32[6, 9, 4]" = torch.functional.einsum('tbk->btk', l_q_);  l_q_ = None
+        getitem_45: "f32[6, 9, 1, 4]" = einsum[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None))];  einsum = None
+        expand: "f32[6, 9, 1, 4]" = getitem_45.expand(-1, -1, 1, -1);  getitem_45 = None
+        einsum_1: "f32[6, 9, 4]" = torch.functional.einsum('tbk->btk', l_k_);  l_k_ = None
+        getitem_46: "f32[6, 9, 1, 4]" = einsum_1[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None))];  einsum_1 = None
+        expand_1: "f32[6, 9, 1, 4]" = getitem_46.expand(-1, -1, 1, -1);  getitem_46 = None
+        einsum_2: "f32[6, 9, 5]" = torch.functional.einsum('tbv->btv', l_v_);  l_v_ = None
+        getitem_47: "f32[6, 9, 1, 5]" = einsum_2[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None))];  einsum_2 = None
+        expand_2: "f32[6, 9, 1, 5]" = getitem_47.expand(-1, -1, 1, -1);  getitem_47 = None
+        einsum_3: "f32[6, 9]" = torch.functional.einsum('tb->bt', l_g_);  l_g_ = None
+        getitem_48: "f32[6, 9, 1]" = einsum_3[(slice(None, None, None), slice(None, None, None), None)];  einsum_3 = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(expand, expand_1, expand_2, getitem_48, None, None, 1.0, False, False);  expand = expand_1 = expand_2 = getitem_48 = None
+        getitem_49: "f32[6, 9, 1, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        squeeze_9: "f32[6, 9, 5]" = torch.squeeze(getitem_49, 2);  getitem_49 = None
+        permute: "f32[9, 6, 5]" = torch.permute(squeeze_9, (1, 0, 2));  squeeze_9 = None
+        return (permute,)
+""")
+
+    def test_parallel_scalar_masked_fill(self):
+        self.assertExpectedInline(rewritten_graph("parallel_scalar_masked_fill"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 9]", L_q_: "f32[2, 3, 9, 4]", L_k_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]"):
+        l_g_ = L_g_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_3: "f32[2, 9, 3]" = torch.functional.einsum('bht->bth', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, None, 0.5, False, False);  einsum = einsum_1 = einsum_2 = einsum_3 = None
+        getitem_2: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_2, (0, 2, 1, 3));  getitem_2 = None
+        return (permute,)
+""")
+
+    def test_parallel_scalar_einsum_where(self):
+        self.assertExpectedInline(rewritten_graph("parallel_scalar_einsum_where"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 9, 3]", L_q_: "f32[2, 9, 3, 4]", L_k_: "f32[2, 9, 3, 4]", L_v_: "f32[2, 9, 3, 5]"):
+        l_g_ = L_g_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(l_q_, l_k_, l_v_, l_g_, None, None, 1.0, False, False);  l_q_ = l_k_ = l_v_ = l_g_ = None
+        getitem_3: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        return (getitem_3,)
+""")
+
+    def test_parallel_scalar_neg_inf(self):
+        self.assertExpectedInline(rewritten_graph("parallel_scalar_neg_inf"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 9]", L_q_: "f32[2, 3, 9, 4]", L_k_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]"):
+        l_g_ = L_g_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_3: "f32[2, 9, 3]" = torch.functional.einsum('bht->bth', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, None, 0.5, False, False);  einsum = einsum_1 = einsum_2 = einsum_3 = None
+        getitem: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem, (0, 2, 1, 3));  getitem = None
+        return (permute,)
+""")
+
+    def test_parallel_scalar_float_mask(self):
+        self.assertExpectedInline(rewritten_graph("parallel_scalar_float_mask"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 9]", L_q_: "f32[2, 3, 9, 4]", L_k_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]"):
+        l_g_ = L_g_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_3: "f32[2, 9, 3]" = torch.functional.einsum('bht->bth', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, None, 1.0, False, False);  einsum = einsum_1 = einsum_2 = einsum_3 = None
+        getitem_2: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_2, (0, 2, 1, 3));  getitem_2 = None
+        return (permute,)
+""")
+
+    def test_parallel_constant_gate(self):
+        self.assertExpectedInline(rewritten_graph("parallel_constant_gate"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 3, 9, 4]", L_g_gamma_: "f32[3]", L_k_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]"):
+        l_q_ = L_q_
+        l_g_gamma_ = L_g_gamma_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, None, l_g_gamma_, None, 1.0, False, False);  einsum = einsum_1 = einsum_2 = l_g_gamma_ = None
+        getitem_4: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_4, (0, 2, 1, 3));  getitem_4 = None
+        return (permute,)
+""")
+
+    def test_parallel_vector_factored(self):
+        self.assertExpectedInline(rewritten_graph("parallel_vector_factored"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 9, 4]", L_q_: "f32[2, 3, 9, 4]", L_k_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]"):
+        l_g_ = L_g_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_3: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, None, 1.0, False, False);  einsum = einsum_1 = einsum_2 = einsum_3 = None
+        getitem: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem, (0, 2, 1, 3));  getitem = None
+        return (permute,)
+""")
+
+    def test_parallel_vector_pairwise(self):
+        self.assertExpectedInline(rewritten_graph("parallel_vector_pairwise"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 9, 4]", L_q_: "f32[2, 3, 9, 4]", L_k_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]"):
+        l_g_ = L_g_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_3: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, None, 1.0, False, False);  einsum = einsum_1 = einsum_2 = einsum_3 = None
+        getitem_5: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_5, (0, 2, 1, 3));  getitem_5 = None
+        return (permute,)
+""")
+
+    def test_parallel_no_gate(self):
+        self.assertExpectedInline(rewritten_graph("parallel_no_gate"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f32[2, 3, 9, 4]", L_q_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]"):
+        l_k_ = L_k_
+        l_q_ = L_q_
+        l_v_ = L_v_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, None, None, None, 0.25, False, False);  einsum = einsum_1 = einsum_2 = None
+        getitem: "f32[2, 9, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem, (0, 2, 1, 3));  getitem = None
+        return (permute,)
+""")
+
+
+class TestFusedQKV(expecttest.TestCase):
+    def test_loop_fused_qkv(self):
+        self.assertExpectedInline(rewritten_graph("loop_fused_qkv"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_qkv_: "f32[2, 9, 3, 3, 4]", L_g_: "f32[2, 9, 3, 4]"):
+        l_qkv_ = L_qkv_
+        l_g_ = L_g_
+
+        select: "f32[2, 9, 3, 4]" = torch.select(l_qkv_, 2, 0)
+        select_1: "f32[2, 9, 3, 4]" = torch.select(l_qkv_, 2, 1)
+        select_2: "f32[2, 9, 3, 4]" = torch.select(l_qkv_, 2, 2);  l_qkv_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(select, select_1, select_2, l_g_, None, None, 1.0, False, False);  select = select_1 = select_2 = l_g_ = None
+        getitem_48: "f32[2, 9, 3, 4]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        return (getitem_48,)
+""")
+
+
+class TestPostGradGraphs(expecttest.TestCase):
+    def test_loop_forward_and_backward(self):
+        fw, bw = post_grad_graphs("loop_broadcast_setitem")
+        self.assertExpectedInline(fw, """\
+
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    chunk_fwd = torch.ops.gla_inductor.chunk_fwd.default(primals_1, primals_4, primals_2, primals_3, None, None, 0.5, False, False)
+    getitem = chunk_fwd[0];  chunk_fwd = None
+    return (getitem, primals_1, primals_2, primals_3, primals_4)
+""")
+        self.assertExpectedInline(bw, """\
+
+def forward(self, primals_1, primals_2, primals_3, primals_4, tangents_1):
+    chunk_bwd = torch.ops.gla_inductor.chunk_bwd.default(primals_1, primals_4, primals_2, primals_3, None, None, tangents_1, None, 0.5, False);  primals_1 = primals_4 = primals_2 = primals_3 = tangents_1 = None
+    getitem_2 = chunk_bwd[0]
+    getitem_3 = chunk_bwd[1]
+    getitem_4 = chunk_bwd[2]
+    getitem_5 = chunk_bwd[3];  chunk_bwd = None
+    return (getitem_2, getitem_4, getitem_5, getitem_3)
+""")
+
+    def test_parallel_forward_and_backward(self):
+        fw, bw = post_grad_graphs("parallel_vector_factored")
+        self.assertExpectedInline(fw, """\
+
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    permute = torch.ops.aten.permute.default(primals_2, [0, 2, 1, 3]);  primals_2 = None
+    permute_1 = torch.ops.aten.permute.default(primals_3, [0, 2, 1, 3]);  primals_3 = None
+    permute_2 = torch.ops.aten.permute.default(primals_4, [0, 2, 1, 3]);  primals_4 = None
+    permute_3 = torch.ops.aten.permute.default(primals_1, [0, 2, 1, 3]);  primals_1 = None
+    chunk_fwd = torch.ops.gla_inductor.chunk_fwd.default(permute, permute_1, permute_2, permute_3, None, None, 1.0, False, False)
+    getitem = chunk_fwd[0];  chunk_fwd = None
+    permute_4 = torch.ops.aten.permute.default(getitem, [0, 2, 1, 3]);  getitem = None
+    return (permute_4, permute, permute_1, permute_2, permute_3)
+""")
+        self.assertExpectedInline(bw, """\
+
+def forward(self, permute, permute_1, permute_2, permute_3, tangents_1):
+    permute_5 = torch.ops.aten.permute.default(tangents_1, [0, 2, 1, 3]);  tangents_1 = None
+    chunk_bwd = torch.ops.gla_inductor.chunk_bwd.default(permute, permute_1, permute_2, permute_3, None, None, permute_5, None, 1.0, False);  permute = permute_1 = permute_2 = permute_3 = permute_5 = None
+    getitem_2 = chunk_bwd[0]
+    getitem_3 = chunk_bwd[1]
+    getitem_4 = chunk_bwd[2]
+    getitem_5 = chunk_bwd[3];  chunk_bwd = None
+    permute_6 = torch.ops.aten.permute.default(getitem_5, [0, 2, 1, 3]);  getitem_5 = None
+    permute_7 = torch.ops.aten.permute.default(getitem_4, [0, 2, 1, 3]);  getitem_4 = None
+    permute_8 = torch.ops.aten.permute.default(getitem_3, [0, 2, 1, 3]);  getitem_3 = None
+    permute_9 = torch.ops.aten.permute.default(getitem_2, [0, 2, 1, 3]);  getitem_2 = None
+    return (permute_6, permute_9, permute_8, permute_7)
+""")
