@@ -1,11 +1,18 @@
 """gla_inductor: a torch.compile backend that runs naive Gated Linear Attention as fused kernels.
 
     model = torch.compile(model, backend=gla_inductor.backend)
+
+Logs go to the "gla_inductor" logger; TORCH_LOGS="gla_inductor" shows them.
 """
 
 from . import config
 from .backend import backend
 from .explain import explain
+from .cuda_dispatch import chunk_bwd_cuda, chunk_fwd_cuda
 from .ops import chunk_gla, register_cuda_impl
 
+# CUDA tensors run the Triton kernels (imported on first use, not here).
+register_cuda_impl(fwd=chunk_fwd_cuda, bwd=chunk_bwd_cuda)
+
 __all__ = ["backend", "chunk_gla", "config", "explain", "register_cuda_impl"]
+
