@@ -74,7 +74,7 @@ def fwd_bwd(fn, args):
     return run
 
 
-def peak_extra_mib(run, args) -> float:
+def peak_extra_mib(run) -> float:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -135,13 +135,12 @@ def run_shape(shape, fns, bw, log):
             with torch.no_grad():
                 row["fwd_ms"] = bench(lambda: fn(*args))
             row["fwdbwd_ms"] = bench(run)
-            row["peak_extra_mib"] = peak_extra_mib(run, args)
+            row["peak_extra_mib"] = peak_extra_mib(run)
             row["floor_ms"] = floor_ms(args, B * T * H * V, bw)
         except Exception as e:  # one failing impl must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         log(row)
         rows.append(row)
-        del args
         torch.cuda.empty_cache()
     return rows
 

@@ -98,7 +98,7 @@ def _log_gate(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> Tens
 
 
 class _Gates(NamedTuple):
-    """Log gates of every chunk, [B, H, NT, BT, Kg], or of one chunk, [B, H, BT, Kg]."""
+    """Log gates of every chunk, [B, H, NT, BT, Kg]."""
 
     g: Tensor  # per step
     gc: Tensor  # inclusive prefix sum: log decay from the chunk start through step i
@@ -108,9 +108,6 @@ class _Gates(NamedTuple):
     def gl(self) -> Tensor:
         """Log decay of the whole chunk, [..., 1, Kg]."""
         return self.gc[..., -1:, :]
-
-    def chunk(self, n: int) -> "_Gates":
-        return _Gates(self.g[:, :, n], self.gc[:, :, n], self.gr[:, :, n])
 
 
 def _make_gates(g: Tensor) -> _Gates:
@@ -125,11 +122,7 @@ class _Chunked(NamedTuple):
     k: Tensor  # [B, H, NT, BT, K]
     v: Tensor  # [B, H, NT, BT, V]
     gates: _Gates
-    h0: Tensor  # [B, H, K, V], a private copy
-    causal: Tensor  # [BT, BT] bool, j <= i
-
-    def chunk(self, n: int) -> tuple[Tensor, Tensor, Tensor, _Gates]:
-        return self.q[:, :, n], self.k[:, :, n], self.v[:, :, n], self.gates.chunk(n)
+    h0: Tensor  # [B, H, K, V]
 
 
 def _prepare(q, k, v, g, g_gamma, initial_state, reverse) -> _Chunked:
@@ -145,171 +138,211 @@ def _prepare(q, k, v, g, g_gamma, initial_state, reverse) -> _Chunked:
     if initial_state is None:
         h0 = q.new_zeros(B, H, K, V, dtype=dtype)
     else:
-        h0 = initial_state.to(dtype, copy=True)
-    causal = torch.ones(BT, BT, dtype=torch.bool, device=q.device).tril()
-    return _Chunked(chunks(q), chunks(k), chunks(v), gates, h0, causal)
+        h0 = initial_state.to(dtype)
+    return _Chunked(chunks(q), chunks(k), chunks(v), gates, h0)
 
 
-# ----------------------------------------------------------------------------------------------
-# one chunk
-# ----------------------------------------------------------------------------------------------
+def _tri(n: int, like: Tensor, diagonal: int = 0) -> Tensor:
+    """[n, n] ones on and below ``diagonal``, in like's dtype.
 
-
-def _intra_decay(b_g: Tensor, causal: Tensor) -> Tensor:
-    """exp(g[j+1] + ... + g[i]) for j <= i and 0 above the diagonal.
-
-    [..., BT, BT, K] for a vector gate, [..., BT, BT] when Kg == 1. The spans are summed
-    directly (a cumsum over i of the steps after j) instead of as gc[i] - gc[j], which would
-    carry an error of |gc| * eps into every entry. See NOTE:[GLA chunk stability].
+    As a matmul it sums directly, never by differences: (L @ x)[i] sums x[j] over j <= i (over
+    j < i for diagonal=-1), and (L.mT @ x)[i] over j >= i (j > i).
     """
-    after = causal.tril(-1)  # i > j
-    if b_g.shape[-1] == 1:
-        span = torch.where(after, b_g, 0).cumsum(-2)
-    else:
-        after, causal = after[:, :, None], causal[:, :, None]
-        span = torch.where(after, b_g[..., :, None, :], 0).cumsum(-3)
+    return torch.ones(n, n, dtype=like.dtype, device=like.device).tril(diagonal)
+
+
+# ----------------------------------------------------------------------------------------------
+# in-chunk attention, every chunk at once
+# ----------------------------------------------------------------------------------------------
+#
+# A[i, j] = sum_k q[i, k] k[j, k] E[i, j, k] for j <= i, with E the decay over the span (j, i].
+# One decay for all K (Kg == 1): E is a [BT, BT] matrix and A a masked matmul. A vector gate
+# would need E as [BT, BT, K]; instead A is built by recursive halving ("split" below).
+
+
+def _pair_decay(g: Tensor) -> Tensor:
+    """E = exp(g[j+1] + ... + g[i]) for j <= i and 0 above the diagonal, [..., BT, BT], for Kg == 1.
+
+    The spans are summed directly (a cumsum over i of the steps after j) instead of as
+    gc[i] - gc[j]. Pairs above the diagonal are masked to -inf before exp.
+    """
+    causal = torch.ones(BT, BT, dtype=torch.bool, device=g.device).tril()
+    span = torch.where(causal.tril(-1), g, 0).cumsum(-2)
     return span.masked_fill(~causal, float("-inf")).exp()
 
 
-def _intra_scores(b_q: Tensor, b_k: Tensor, b_E: Tensor) -> Tensor:
-    """A[i, j] = sum_k q[i, k] k[j, k] E[i, j, k]: the in-chunk attention matrix, [..., BT, BT]."""
-    if b_E.dim() == b_q.dim():  # one decay for all K
-        return (b_q @ b_k.transpose(-1, -2)) * b_E
-    return (b_q[..., :, None, :] * b_k[..., None, :, :] * b_E).sum(-1)
+def _halves(x: Tensor, s: int) -> tuple[Tensor, Tensor]:
+    """Views of the left and right halves of every block of 2s steps: [..., BT / (2s), s, D] each."""
+    x = x.unflatten(-2, (BT // (2 * s), 2, s))
+    return x[..., 0, :, :], x[..., 1, :, :]
 
 
-def _intra_grads(b_q: Tensor, b_k: Tensor, b_dAE: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradients of ``_intra_scores`` w.r.t. q and k, given b_dAE = dA * E (broadcast over K)."""
-    if b_dAE.dim() == b_q.dim():
-        return b_dAE @ b_k, b_dAE.transpose(-1, -2) @ b_q
-    b_dq = (b_dAE * b_k[..., None, :, :]).sum(-2)
-    b_dk = (b_dAE * b_q[..., :, None, :]).sum(-3)
-    return b_dq, b_dk
+def _cross_blocks(A: Tensor, s: int) -> Tensor:
+    """View of A [..., BT, BT] at (right half, left half) of every block of 2s: [..., BT / (2s), s, s]."""
+    nb = BT // (2 * s)
+    A = A.unflatten(-1, (nb, 2, s)).unflatten(-4, (nb, 2, s))  # [..., nb, 2, s, nb, 2, s]
+    return A.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
 
 
-def _advance(h: Tensor, b_k: Tensor, b_v: Tensor, b_gates: _Gates) -> Tensor:
-    """State leaving a chunk from the state h entering it."""
-    b_kd = b_k * b_gates.gr.exp()  # k_j decayed to the chunk end
-    return b_gates.gl.transpose(-1, -2).exp() * h + b_kd.transpose(-1, -2) @ b_v
+def _split_levels() -> list[int]:
+    """Half-block sizes BT/2, ..., 1: every pair i > j of a chunk lies across exactly one split."""
+    return [BT >> n for n in range(1, BT.bit_length())]
 
 
-def _chunk_states(x: _Chunked) -> Tensor:
-    """State entering every chunk, then the final state: [B, H, NT + 1, K, V]."""
-    states = [x.h0]
-    for n in range(x.q.shape[2]):
-        b_q, b_k, b_v, b_gates = x.chunk(n)
-        states.append(_advance(states[-1], b_k, b_v, b_gates))
-    return torch.stack(states, dim=2)
+def _split_decays(g: Tensor, s: int) -> tuple[Tensor, Tensor]:
+    """Decays across the split m of every block of 2s steps (m starts its right half).
 
-
-def _chunk_output(b_q, b_k, b_v, b_gates: _Gates, h, scale, causal) -> Tensor:
-    """o for one chunk: the inter-chunk part through h plus the in-chunk part through A."""
-    b_A = _intra_scores(b_q, b_k, _intra_decay(b_gates.g, causal))
-    return scale * ((b_q * b_gates.gc.exp()) @ h + b_A @ b_v)
-
-
-def _chunk_grads(b_q, b_k, b_v, b_gates: _Gates, b_do, h, dh, scale, causal, with_dg: bool):
-    """dq, dk, dv and dg (None unless ``with_dg``) of one chunk, and the gradient w.r.t. h.
-
-    h is the state entering the chunk, dh the gradient w.r.t. the state leaving it.
+    qd[i] = exp(g[m] + ... + g[i]) for i in the right half, kd[j] = exp(g[j+1] + ... + g[m-1]) for
+    j in the left half: qd[i] kd[j] is the decay of the pair (i, j), and each factor is the exp of
+    a direct sum inside one half, <= 1 for g <= 0. See NOTE:[GLA chunk stability].
     """
-    b_E = _intra_decay(b_gates.g, causal)
-    b_A = _intra_scores(b_q, b_k, b_E)
-    b_dA = scale * (b_do @ b_v.transpose(-1, -2))  # b_E zeroes the part above the diagonal
-    b_dAE = b_dA * b_E if b_E.dim() == b_q.dim() else b_dA.unsqueeze(-1) * b_E
-    b_dq, b_dk = _intra_grads(b_q, b_k, b_dAE)
-
-    b_qd, b_kd = b_gates.gc.exp(), b_gates.gr.exp()  # decay from the chunk start / to its end
-    b_dq_h = scale * (b_do @ h.transpose(-1, -2)) * b_qd  # through the state entering the chunk
-    b_dk_h = (b_v @ dh.transpose(-1, -2)) * b_kd  # through the state leaving it
-    b_dv = scale * (b_A.transpose(-1, -2) @ b_do) + (b_k * b_kd) @ dh
-    dh_in = scale * ((b_q * b_qd).transpose(-1, -2) @ b_do) + b_gates.gl.transpose(-1, -2).exp() * dh
-
-    b_dg = None
-    if with_dg:
-        b_dg = _chunk_gate_grad(b_q, b_k, b_dAE, b_q * b_dq_h, b_k * b_dk_h, b_gates, h, dh, causal)
-    return b_dq + b_dq_h, b_dk + b_dk_h, b_dv, b_dg, dh_in
+    g_l, g_r = _halves(g, s)
+    L = _tri(s, g)
+    return (L @ g_r).exp(), (L.tril(-1).mT @ g_l).exp()
 
 
-def _chunk_gate_grad(b_q, b_k, b_dAE, b_qdq_h, b_kdk_h, b_gates: _Gates, h, dh, causal) -> Tensor:
-    """Gradient w.r.t. the log gates of one chunk, [..., BT, Kg].
+def _intra_scores(q: Tensor, k: Tensor, g: Tensor) -> Tensor:
+    """The in-chunk attention matrix A, [..., BT, BT], zero above the diagonal."""
+    if g.shape[-1] == 1:
+        return (q @ k.mT) * _pair_decay(g)
+    A = q.new_zeros(*q.shape[:-1], BT)
+    A.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))  # empty span, no decay
+    for s in _split_levels():
+        qd, kd = _split_decays(g, s)
+        (_, q_r), (k_l, _) = _halves(q, s), _halves(k, s)
+        _cross_blocks(A, s).copy_((q_r * qd) @ (k_l * kd).mT)
+    return A
 
-    dg_t = exp(g_t) <dH_t, S_{t-1}> (summed over V), with dH_t the gradient w.r.t. S_t. Expanding
-    S_{t-1} over h and the steps j < t, and dH_t over dh and the steps i >= t, gives four sums
-    whose every term carries exp(g_t):
-        sum_{i >= t > j} dA_ij q_i k_j E_ij  +  sum_{i >= t} q_i dq_i^h  +  sum_{j < t} k_j dk_j^h
-        +  exp(gl) <h, dh>
+
+def _intra_grads(q, k, g, dA, with_dg: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """dq, dk of A given dA, and the part of dg through the in-chunk decays (None unless with_dg).
+
+    dE[i, j] / dg[t] = E[i, j] for j < t <= i, so dg[t] sums M[i, j] = dA[i, j] q[i] k[j] E[i, j]
+    over the pairs whose span holds t: every term is a well-scaled part of the result.
     NB the shorter telescoping form, a reverse cumsum of q dq - k dk, cancels O(1) terms down to
     an O(exp(g)) result, and loses all precision under strong decay (seen: 4e3 relative error on
     dg_gamma with g ~ U[-20, 0], T = 4096 in fp32).
     """
-    if b_dAE.dim() == b_q.dim():  # one decay for all K: M_ij = dA_ij E_ij (q_i . k_j)
-        b_M = (b_dAE * (b_q @ b_k.transpose(-1, -2))).unsqueeze(-1)
-        b_qdq_h, b_kdk_h = b_qdq_h.sum(-1, keepdim=True), b_kdk_h.sum(-1, keepdim=True)
-    else:
-        b_M = b_dAE * b_q[..., :, None, :] * b_k[..., None, :, :]  # [BT(i), BT(j), K]
-    # exclusive cumsums by shifting, not by subtracting: M_ii is O(1), the sums it would hide are not
-    b_R = F.pad(b_M[..., :, :-1, :], (0, 0, 1, 0)).cumsum(-2)  # R[i, t] = sum_{j < t} M[i, j]
-    b_cross = b_R.masked_fill(~causal[:, :, None], 0).sum(-3)  # sum over i >= t
-    b_q_after = b_qdq_h.flip(-2).cumsum(-2).flip(-2)
-    b_k_before = F.pad(b_kdk_h[..., :-1, :], (0, 0, 1, 0)).cumsum(-2)
-    b_hdh = (h * dh).sum(-1).unsqueeze(-2)  # [1, K]
-    if b_M.shape[-1] == 1:
-        b_hdh = b_hdh.sum(-1, keepdim=True)
-    return b_cross + b_q_after + b_k_before + b_gates.gl.exp() * b_hdh
+    if g.shape[-1] == 1:
+        return _pair_grads(q, k, g, dA, with_dg)
+    dA_ii = dA.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+    dq, dk = dA_ii * k, dA_ii * q  # the diagonal spans nothing: no dg
+    dg = torch.zeros_like(g) if with_dg else None
+    for s in _split_levels():
+        qd, kd = _split_decays(g, s)
+        (_, q_r), (k_l, _) = _halves(q, s), _halves(k, s)
+        b_dA = _cross_blocks(dA, s)
+        dq_r = (b_dA @ (k_l * kd)) * qd
+        dk_l = (b_dA.mT @ (q_r * qd)) * kd
+        _halves(dq, s)[1].add_(dq_r)
+        _halves(dk, s)[0].add_(dk_l)
+        if with_dg:
+            # a pair across the split holds t if i >= t (t on the right) or j < t (t on the left);
+            # q dq and k dk per step are exactly those pair sums
+            L = _tri(s, g)
+            dg_l, dg_r = _halves(dg, s)
+            dg_r.add_(L.mT @ (q_r * dq_r))
+            dg_l.add_(L.tril(-1) @ (k_l * dk_l))
+    return dq, dk, dg
+
+
+def _pair_grads(q, k, g, dA, with_dg: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``_intra_grads`` for Kg == 1, through the [BT, BT] decay matrix."""
+    dAE = dA * _pair_decay(g)  # zero above the diagonal
+    dg = None
+    if with_dg:
+        M = dAE * (q @ k.mT)
+        # exclusive cumsum by shifting, not by subtracting: M_ii is O(1), the sums it would hide are not
+        R = F.pad(M[..., :, :-1], (1, 0)).cumsum(-1)  # R[i, t] = sum_{j < t} M[i, j]
+        dg = R.tril().sum(-2).unsqueeze(-1)  # then the sum over i >= t
+    return dAE @ k, dAE.mT @ q, dg
 
 
 # ----------------------------------------------------------------------------------------------
-# whole sequence
+# whole sequence: only the state recurrences loop over chunks
 # ----------------------------------------------------------------------------------------------
+
+
+def _chunk_states(x: _Chunked) -> Tensor:
+    """State entering every chunk, then the final state: [B, H, NT + 1, K, V]."""
+    decay = x.gates.gl.mT.exp()  # [B, H, NT, Kg, 1]
+    update = (x.k * x.gates.gr.exp()).mT @ x.v  # k_j decayed to the chunk end
+    B, H, NT, K, V = update.shape
+    states = x.h0.new_empty(B, H, NT + 1, K, V)
+    states[:, :, 0] = x.h0
+    for n in range(NT):
+        torch.addcmul(update[:, :, n], decay[:, :, n], states[:, :, n], out=states[:, :, n + 1])
+    return states
+
+
+def _state_grads(x: _Chunked, do: Tensor, dht: Optional[Tensor], scale: float) -> Tensor:
+    """Gradient w.r.t. every state of ``_chunk_states``, from the final state's dht back to dh0."""
+    decay = x.gates.gl.mT.exp()
+    update = scale * ((x.q * x.gates.gc.exp()).mT @ do)  # through the outputs of each chunk
+    NT = update.shape[2]
+    dhs = x.h0.new_zeros(*x.h0.shape[:2], NT + 1, *x.h0.shape[2:])
+    if dht is not None:
+        dhs[:, :, -1] = dht
+    for n in reversed(range(NT)):
+        torch.addcmul(update[:, :, n], decay[:, :, n], dhs[:, :, n + 1], out=dhs[:, :, n])
+    return dhs
 
 
 def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
     x = _prepare(q, k, v, g, g_gamma, initial_state, reverse)
-    o = torch.empty_like(x.v)
-    h = x.h0
-    for n in range(x.q.shape[2]):
-        b_q, b_k, b_v, b_gates = x.chunk(n)
-        o[:, :, n] = _chunk_output(b_q, b_k, b_v, b_gates, h, scale, x.causal)
-        h = _advance(h, b_k, b_v, b_gates)
-
-    o = _from_chunks(o, q.shape[1], reverse, _output_dtype(q, k, v))
+    states = _chunk_states(x)
+    o = (x.q * x.gates.gc.exp()) @ states[:, :, :-1] + _intra_scores(x.q, x.k, x.gates.g) @ x.v
+    o = _from_chunks(scale * o, q.shape[1], reverse, _output_dtype(q, k, v))
     state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
-    # contiguous: for T = 0, h is a copy of initial_state with its strides
-    ht = h.to(state_dtype).contiguous() if output_final_state else q.new_empty(0, dtype=state_dtype)
-    return o, ht
+    if not output_final_state:
+        return o, q.new_empty(0, dtype=state_dtype)
+    return o, states[:, :, -1].to(state_dtype).clone(memory_format=torch.contiguous_format)
 
 
 def _chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     x = _prepare(q, k, v, g, g_gamma, initial_state, reverse)
     T = q.shape[1]
-    NT = x.q.shape[2]
-    b_dos = _to_chunks(do.to(x.q.dtype), NT, reverse)
+    b_do = _to_chunks(do.to(x.q.dtype), x.q.shape[2], reverse)
     states = _chunk_states(x)
-    dh = torch.zeros_like(x.h0) if dht is None else dht.to(x.h0.dtype, copy=True)
+    dhs = _state_grads(x, b_do, dht, scale)
+    h, dh = states[:, :, :-1], dhs[:, :, 1:]  # entering each chunk / gradient leaving it
+    qd, kd = x.gates.gc.exp(), x.gates.gr.exp()  # decay from the chunk start / to its end
 
     with_dg = g is not None or g_gamma is not None
-    dq, dk, dv = torch.empty_like(x.q), torch.empty_like(x.k), torch.empty_like(x.v)
-    dgate = torch.empty_like(x.gates.g)
-    for n in reversed(range(NT)):
-        b_q, b_k, b_v, b_gates = x.chunk(n)
-        b_dq, b_dk, b_dv, b_dg, dh = _chunk_grads(
-            b_q, b_k, b_v, b_gates, b_dos[:, :, n], states[:, :, n], dh, scale, x.causal, with_dg
-        )
-        dq[:, :, n], dk[:, :, n], dv[:, :, n] = b_dq, b_dk, b_dv
-        if with_dg:
-            dgate[:, :, n] = b_dg
-
+    dA = scale * (b_do @ x.v.mT)  # only read on and below the diagonal
+    dq, dk, dgate = _intra_grads(x.q, x.k, x.gates.g, dA, with_dg)
+    dq_h = scale * (b_do @ h.mT) * qd  # through the state entering the chunk
+    dk_h = (x.v @ dh.mT) * kd  # through the state leaving it
+    A = _intra_scores(x.q, x.k, x.gates.g)
+    dv = scale * (A.mT @ b_do) + (x.k * kd) @ dh
+    if with_dg:
+        dgate = dgate + _inter_gate_grad(x, dq_h, dk_h, h, dh)
+    dh0 = q.new_empty(0) if initial_state is None else dhs[:, :, 0].to(initial_state.dtype).contiguous()
     dg, dg_gamma = _split_gate_grad(dgate, T, reverse, q, g, g_gamma)
-    dh0 = q.new_empty(0) if initial_state is None else dh.to(initial_state.dtype).contiguous()
     return (
-        _from_chunks(dq, T, reverse, q.dtype),
-        _from_chunks(dk, T, reverse, k.dtype),
+        _from_chunks(dq + dq_h, T, reverse, q.dtype),
+        _from_chunks(dk + dk_h, T, reverse, k.dtype),
         _from_chunks(dv, T, reverse, v.dtype),
         dg,
         dg_gamma,
         dh0,
     )
+
+
+def _inter_gate_grad(x: _Chunked, dq_h, dk_h, h, dh) -> Tensor:
+    """Part of dg through the chunk-level decays, [B, H, NT, BT, Kg].
+
+    dg_t = exp(g_t) <dH_t, S_{t-1}> (summed over V), with dH_t the gradient w.r.t. S_t. The
+    in-chunk pairs are ``_intra_grads``'; the rest goes through the states entering and leaving
+    the chunk: sum_{i >= t} q_i dq_i^h + sum_{j < t} k_j dk_j^h + exp(gl) <h, dh>, each of whose
+    terms carries exp(g_t).
+    """
+    q_dq, k_dk = x.q * dq_h, x.k * dk_h
+    h_dh = (h * dh).sum(-1).unsqueeze(-2)  # [..., 1, K]
+    if x.gates.g.shape[-1] == 1:
+        q_dq, k_dk, h_dh = (t.sum(-1, keepdim=True) for t in (q_dq, k_dk, h_dh))
+    L = _tri(BT, q_dq)
+    return L.mT @ q_dq + L.tril(-1) @ k_dk + x.gates.gl.exp() * h_dh
 
 
 def _split_gate_grad(dgate, T, reverse, q, g, g_gamma) -> tuple[Tensor, Tensor]:

@@ -105,7 +105,6 @@ def naive_parallel_gla(
 
     dtype = _compute_dtype(q, k, v, g, g_gamma, initial_state)
     B, T, H, K = q.shape
-    V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     G = _log_gate(q, g, g_gamma, dtype).cumsum(1)  # [B, T, H, K]

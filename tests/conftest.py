@@ -1,8 +1,15 @@
 import os
 import sys
 
+import torch
+
 # The spelling zoo and helpers live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Without a GPU the Triton kernels run under the interpreter, which must be chosen before
+# triton is first imported (it swaps in its own versions of triton.language functions).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):

@@ -128,8 +128,6 @@ def test_disable_a_form():
 
 def test_internal_failure_compiles_unchanged(monkeypatch):
     """An exception inside the pass is logged and the graph compiled as if it were off."""
-    from gla_inductor.recognize import loop
-
     def boom(an):
         raise RuntimeError("injected")
 

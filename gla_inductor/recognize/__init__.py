@@ -17,7 +17,7 @@ from . import loop, parallel
 from .algebra import Analyzer, op_name
 from .consts import is_inplace
 from .emit import Transaction
-from .match import Match, NearMiss
+from .match import NearMiss
 
 log = logging.getLogger("gla_inductor")
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import operator
-from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from .algebra import Factor
 from .consts import example_value
 
 

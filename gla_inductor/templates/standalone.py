@@ -1,0 +1,195 @@
+"""Render the GLA jinja templates as plain ``@triton.jit`` kernels, without Inductor.
+
+The templates are written for Inductor's ``TritonTemplate`` and call its jinja helpers. This module
+gives the same helpers a plain-Triton meaning, so the same sources also run outside torch.compile:
+
+  def_kernel(*names)  the ``@triton.jit`` signature: one pointer per name, then the main output
+                      ``out_ptr0``, then every size and stride the body asked for, as scalar
+                      arguments. Sizes are ``do_not_specialize``, so a new T reuses the kernel.
+  size(name, i)       the scalar argument ``{name}_size_{i}``
+  stride(name, i)     the scalar argument ``{name}_stride_{i}``; without i, all of them, comma separated
+  store_output(...)   a ``tl.store`` of the value into ``out_ptr0`` at the given indices
+
+Options reach the source twice, as ``TritonTemplate.generate`` passes its kwargs: as jinja variables
+(for code that must vanish, such as an absent input) and as ``NAME: tl.constexpr = value`` lines at
+the top of the body. ``INDEX_DTYPE`` is added the same way. Each rendered source is written to a
+file (Triton reads a kernel's source back from disk) and imported once per process.
+"""
+
+import functools
+import hashlib
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import torch
+
+__all__ = ["OUT", "ScalarArg", "StandaloneKernel", "load_template", "render", "render_source"]
+
+TEMPLATE_DIR = Path(__file__).parent
+OUT = "out_ptr0"  # the main output's argument name, as in Inductor's generated kernels
+_DEF_KERNEL = "<GLA_DEF_KERNEL>"  # placeholder: the signature is known only after the body rendered
+
+
+@functools.cache
+def load_template(name: str) -> str:
+    """Source of ``templates/<name>.py.jinja``."""
+    return (TEMPLATE_DIR / f"{name}.py.jinja").read_text()
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    """One size or stride the kernel takes as a scalar argument."""
+
+    tensor: str
+    kind: str  # "size" | "stride"
+    dim: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.tensor}_{self.kind}_{self.dim}"
+
+
+class _Helpers:
+    """The jinja helpers for one render; records the pointers and scalars the body used."""
+
+    def __init__(self, ndims: Mapping[str, int]):
+        self.ndims = dict(ndims)
+        self.pointers: tuple[str, ...] = ()
+        self.scalars: dict[str, ScalarArg] = {}
+
+    def def_kernel(self, *names: str) -> str:
+        unknown = [n for n in (*names, OUT) if n not in self.ndims]
+        if unknown:
+            raise KeyError(f"no rank given for {unknown}")
+        self.pointers = names
+        return _DEF_KERNEL
+
+    def _scalar(self, tensor: str, kind: str, dim: int) -> str:
+        arg = ScalarArg(tensor, kind, dim)
+        self.scalars.setdefault(arg.name, arg)
+        return arg.name
+
+    def size(self, name: str | None, index: int) -> str:
+        return self._scalar(name or OUT, "size", index)
+
+    def stride(self, name: str | None, index: int | None = None) -> str:
+        name = name or OUT
+        if index is None:
+            return ", ".join(self._scalar(name, "stride", d) for d in range(self.ndims[name]))
+        return self._scalar(name, "stride", index)
+
+    def store_output(self, indices, val, mask=None, indent_width=4, val_shape=None, block_indexing=False) -> str:
+        offset = " + ".join(f"({idx}) * {self.stride(OUT, d)}" for d, idx in enumerate(indices))
+        mask_arg = f", mask={mask}" if mask else ""
+        return f"tl.store({OUT} + {offset}, ({val}).to({OUT}.dtype.element_ty){mask_arg})"
+
+    def header(self, kernel_name: str, defines: Mapping[str, Any]) -> str:
+        args = [*self.pointers, OUT, *self.scalars]
+        sizes = [a.name for a in self.scalars.values() if a.kind == "size"]
+        lines = [
+            "import triton",
+            "import triton.language as tl",
+            "",
+            "",
+            f"@triton.jit(do_not_specialize={sizes!r})",
+            f"def {kernel_name}({', '.join(args)}):",
+        ]
+        lines += [f"    {name}: tl.constexpr = {value}" for name, value in defines.items()]
+        return "\n".join(lines)
+
+
+def render_source(
+    template_names: Sequence[str],
+    kernel_name: str,
+    options: Mapping[str, Any],
+    ndims: Mapping[str, int],
+    int64_index: bool = False,
+) -> tuple[str, _Helpers]:
+    """The kernel module's source and the helpers that recorded its arguments.
+
+    ``template_names`` are concatenated in order (the kernel first, then its ``@triton.jit`` helpers);
+    ``ndims`` gives the rank of every tensor the template may name, ``OUT`` included.
+    """
+    helpers = _Helpers(ndims)
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    template = env.from_string("\n".join(load_template(n) for n in template_names))
+    body = template.render(
+        def_kernel=helpers.def_kernel,
+        size=helpers.size,
+        stride=helpers.stride,
+        store_output=helpers.store_output,
+        **options,
+    )
+    defines = {**options, "INDEX_DTYPE": "tl.int64" if int64_index else "tl.int32"}
+    return body.replace(_DEF_KERNEL, helpers.header(kernel_name, defines), 1), helpers
+
+
+@dataclass(frozen=True)
+class StandaloneKernel:
+    """A rendered kernel and the order in which it takes its arguments."""
+
+    fn: Any  # triton JITFunction (or InterpretedFunction under TRITON_INTERPRET=1)
+    pointers: tuple[str, ...]
+    scalars: tuple[ScalarArg, ...]
+    source: str
+
+    def __call__(self, grid, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, *, num_warps: int,
+                 num_stages: int) -> None:
+        named = {**tensors, OUT: out}
+        args: list[Any] = [named[n] for n in self.pointers]
+        args.append(out)
+        for s in self.scalars:
+            t = named[s.tensor]
+            args.append(t.shape[s.dim] if s.kind == "size" else t.stride(s.dim))
+        self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+
+
+def _kernel_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "gla_inductor_kernels"
+
+
+# keyed by (source, interpreted): the same source decorates into a JITFunction or, under
+# TRITON_INTERPRET=1, an InterpretedFunction
+_BY_SOURCE: dict[tuple[str, bool], StandaloneKernel] = {}
+
+
+def _import_kernel(source: str, kernel_name: str) -> Any:
+    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+    path = _kernel_dir() / f"{kernel_name}_{digest}.py"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"gla_inductor_kernels.{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, kernel_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _render_cached(template_names, kernel_name, options, ndims, int64_index, interpreted) -> StandaloneKernel:
+    source, helpers = render_source(template_names, kernel_name, dict(options), dict(ndims), int64_index)
+    kernel = _BY_SOURCE.get((source, interpreted))
+    if kernel is None:
+        kernel = StandaloneKernel(_import_kernel(source, kernel_name), helpers.pointers,
+                                  tuple(helpers.scalars.values()), source)
+        _BY_SOURCE[source, interpreted] = kernel
+    return kernel
+
+
+def render(
+    template_names: Sequence[str],
+    kernel_name: str,
+    options: Mapping[str, Any],
+    ndims: Mapping[str, int],
+    int64_index: bool = False,
+) -> StandaloneKernel:
+    """The jit kernel for these options, rendered and imported once per process (cached by source)."""
+    return _render_cached(tuple(template_names), kernel_name, tuple(sorted(options.items())),
+                          tuple(sorted(ndims.items())), int64_index, os.environ.get("TRITON_INTERPRET") == "1")

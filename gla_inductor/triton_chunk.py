@@ -1,0 +1,304 @@
+"""Host launchers of the chunked GLA Triton kernels (forward and backward, every gate kind).
+
+Kernels (sources in ``templates/``, rendered by ``templates/standalone.py``; the design and the byte
+and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``ChunkConfig.split``:
+
+  fused (default)
+    forward   1 launch  gla_chunk_scan: o and the final state. One program per (V tile, batch*head)
+                        walks the chunks with its state in registers; nothing per chunk goes to HBM.
+    backward  3 launches gla_chunk_scan (states): h, the state entering every chunk;
+                        gla_chunk_scan (dual): the reverse scan of dS = dL/dS, writing dv, dh (dS
+                        leaving every chunk) and dh0;
+                        gla_chunk_bwd_dqkg: dq, dk, dg, chunk-parallel from h and dh.
+  split: the scans only materialize states, and gla_chunk_output computes o (dv) chunk-parallel:
+    forward   2 launches (states scan, output); backward 4 (states, dual states, dual output, dqkg).
+    More HBM traffic, but the per-chunk work no longer sits on the scans' sequential path.
+
+``chunk_fwd_triton`` / ``chunk_bwd_triton`` follow the contract of the ``gla_inductor::chunk_fwd`` /
+``chunk_bwd`` custom ops. They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+from importlib.util import find_spec
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .templates.standalone import OUT, render
+
+__all__ = [
+    "ChunkConfig",
+    "TileConfig",
+    "chunk_bwd_triton",
+    "chunk_fwd_triton",
+    "chunk_grid",
+    "default_config",
+    "scan_grid",
+    "triton_supports",
+]
+
+MAX_K = 256  # the scans hold whole key rows ([BT, K] tiles and the [K, BV] state) on chip
+MAX_V = 512
+MAX_GRID_YZ = 65535  # CUDA limit of grid dimensions 1 and 2 (B * H, NT)
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles of one launch. block_k is used by gla_chunk_bwd_dqkg only (the others take all of K)."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int
+    block_k: int = 0
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Everything the launchers choose; pass one to the launchers to override the defaults."""
+
+    block_t: int
+    scan: TileConfig  # gla_chunk_scan writing o (the fused forward)
+    states: TileConfig  # gla_chunk_scan writing only states (h in the backward, the split schedule)
+    dual: TileConfig  # gla_chunk_scan writing dv and dh (the fused backward)
+    output: TileConfig  # gla_chunk_output (split schedule)
+    dqkg: TileConfig  # gla_chunk_bwd_dqkg; block_k must cover K for scalar and constant gates
+    states_dtype: torch.dtype  # the per-chunk states h and dh in HBM
+    split: bool = False
+    # how fp32 operands multiply ("ieee", "tf32", "tf32x3"); None: "ieee" for fp32 inputs under
+    # torch's "highest" matmul precision, else "tf32" (fp16 inputs use fp32 operands: fp16's range
+    # cannot hold the kernels' gated factors, and TF32 keeps fp16's 10-bit mantissa)
+    f32_precision: Optional[str] = None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, vector_gate: bool,
+                   device: torch.device) -> ChunkConfig:
+    """Tiles by head size, chosen to compile without register spills for sm_90 (bf16); value tiles
+    narrow while B * H * cdiv(V, BV) leaves SMs idle. Untuned on the GPU: a starting point."""
+    BK = max(16, _pow2(K))
+    BV = max(16, _pow2(V))
+    # [BT, K] tiles of q, k, g and their gated copies dominate the registers
+    block_t = min(64 if BK <= 128 else 32, max(16, _pow2(T)))
+    block_v = min(BV, 64 if BK <= 128 else 32)
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
+            block_v //= 2
+    warps = 4 if BK <= 32 else 8
+    scan = TileConfig(block_v=block_v, num_warps=warps, num_stages=2)
+    return ChunkConfig(
+        block_t,
+        scan=scan,
+        states=scan,
+        dual=scan,
+        output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2),
+        dqkg=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2, block_k=min(BK, 64) if vector_gate else BK),
+        states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# support check and grids
+# ----------------------------------------------------------------------------------------------
+
+
+def triton_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, g_gamma: Optional[Tensor] = None,
+                    initial_state: Optional[Tensor] = None) -> Optional[str]:
+    """None when the kernels handle these inputs, else the reason to fall back."""
+    if find_spec("triton") is None:
+        return "triton is not installed"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+        return f"device {q.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("g_gamma", g_gamma), ("initial_state", initial_state)):
+        if x is not None and x.dtype not in _SUPPORTED_DTYPES:
+            return f"{name} dtype {x.dtype} (supported: float32, float16, bfloat16)"
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if K > MAX_K:
+        return f"K = {K} > {MAX_K}"
+    if V > MAX_V:
+        return f"V = {V} > {MAX_V}"
+    if B * H > MAX_GRID_YZ:
+        return f"B * H = {B * H} > {MAX_GRID_YZ}"
+    return None
+
+
+def scan_grid(B: int, H: int, V: int, block_v: int) -> tuple[int, int]:
+    """(cdiv(V, BV), B * H) for gla_chunk_scan.
+
+    One program per value tile of one (batch, head). It walks all NT chunks in order and carries its
+    [K, BV] slice of the state in registers, so chunks never exchange states through HBM. The
+    sequence is not split: parallelism is B * H * cdiv(V, BV) programs, each doing NT dependent
+    steps; narrower value tiles buy parallelism when B * H is small, at the price of recomputing
+    the [BT, BT] intra-chunk scores once per tile.
+    """
+    return (math.ceil(V / block_v), B * H)
+
+
+def chunk_grid(B: int, T: int, H: int, block_t: int, n_tiles: int) -> tuple[int, int, int]:
+    """(n_tiles, NT, B * H) for the chunk-parallel kernels gla_chunk_output (n_tiles = cdiv(V, BV))
+    and gla_chunk_bwd_dqkg (cdiv(K, BK)).
+
+    Once a scan has written the per-chunk states, chunks are independent: every (tile, chunk,
+    batch*head) is its own program, B * H * NT * n_tiles in all.
+    """
+    return (n_tiles, math.ceil(T / block_t), B * H)
+
+
+# ----------------------------------------------------------------------------------------------
+# launching
+# ----------------------------------------------------------------------------------------------
+
+
+def _max_offset(x: Tensor) -> int:
+    return sum((s - 1) * st for s, st in zip(x.shape, x.stride())) + 1
+
+
+def _launch(template: str, options: dict, tensors: dict[str, Optional[Tensor]], out: Tensor, grid,
+            tiles: TileConfig) -> None:
+    present = {n: t for n, t in tensors.items() if t is not None}
+    ndims = {n: t.dim() for n, t in present.items()}
+    ndims[OUT] = out.dim()
+    int64_index = max(_max_offset(t) for t in (*present.values(), out)) >= 2**31
+    kernel = render((template, "gla_common"), template, options, ndims, int64_index)
+    kernel(grid, present, out, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+class _Launcher:
+    """Options shared by one forward or backward call, and its launches."""
+
+    def __init__(self, cfg: ChunkConfig, q: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
+                 scale: float, reverse: bool):
+        self.cfg = cfg
+        self.device = q.device
+        self.B, self.T, self.H, self.K = q.shape
+        self.V = v.shape[-1]
+        self.gates = dict(g=g, g_gamma=g_gamma)
+        # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
+        on_bf16_cores = q.dtype == torch.bfloat16 and not _interpreting()
+        f32_precision = cfg.f32_precision or (
+            "ieee" if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32")
+        self.options = dict(
+            BT=cfg.block_t,
+            BK=max(16, _pow2(self.K)),
+            USE_GK=g is not None and g.dim() == 4,
+            USE_G=g is not None and g.dim() == 3,
+            USE_G_GAMMA=g_gamma is not None,
+            REVERSE=bool(reverse),
+            SCALE=float(scale),
+            DOT_DTYPE="tl.bfloat16" if on_bf16_cores else "tl.float32",
+            F32_PRECISION=repr(f32_precision),  # options are code: a quoted string
+        )
+
+    def states(self) -> Tensor:
+        """An uninitialized [B, NT, H, K, V] per-chunk state buffer."""
+        NT = math.ceil(self.T / self.cfg.block_t)
+        return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
+
+    def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
+             h0=None, h=None, ht=None) -> None:
+        tiles = self.cfg.states if not write_out else self.cfg.dual if dual else self.cfg.scan
+        store_ht = ht is not None and ht.numel() > 0
+        options = dict(self.options, BV=tiles.block_v, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
+                       USE_H0=h0 is not None, STORE_HT=store_ht)
+        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None)
+        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
+
+    def output(self, out: Tensor, *, dual: bool, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> None:
+        tiles = self.cfg.output
+        options = dict(self.options, BV=tiles.block_v, DUAL=dual)
+        grid = chunk_grid(self.B, self.T, self.H, self.cfg.block_t, math.ceil(self.V / tiles.block_v))
+        _launch("gla_chunk_output", options, dict(q=q, k=k, v=v, **self.gates, h=h), out, grid, tiles)
+
+    def dqkg(self, dq: Tensor, *, q, k, v, do, h, dh, dk, dg) -> None:
+        tiles = self.cfg.dqkg
+        vector_or_none = self.options["USE_GK"] or not (self.options["USE_G"] or self.options["USE_G_GAMMA"])
+        # a scalar gate's dg sums over all keys, so one program must see them all
+        block_k = tiles.block_k if vector_or_none else self.options["BK"]
+        options = dict(self.options, BK=block_k, BV=tiles.block_v)
+        grid = chunk_grid(self.B, self.T, self.H, self.cfg.block_t, math.ceil(self.K / block_k))
+        tensors = dict(q=q, k=k, v=v, **self.gates, do=do, h=h, dh=dh, dk=dk, dg=dg)
+        _launch("gla_chunk_bwd_dqkg", options, tensors, dq, grid, tiles)
+
+
+def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], config: Optional[ChunkConfig]):
+    """q, k, v in their promoted dtype (copies only when they differ) and the config."""
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cfg = config or default_config(B, T, H, K, V, dtype, g is not None and g.dim() == 4, q.device)
+    return q, k, v, cfg
+
+
+def chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
+                     initial_state: Optional[Tensor], scale: float, output_final_state: bool, reverse: bool, *,
+                     config: Optional[ChunkConfig] = None) -> tuple[Tensor, Tensor]:
+    """(o [B, T, H, V] in the promoted input dtype, final state fp32 [B, H, K, V] or an empty [0])."""
+    q, k, v, cfg = _prepare(q, k, v, g, config)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = q.new_empty(B, T, H, V)
+    ht = q.new_empty((B, H, K, V) if output_final_state else (0,), dtype=torch.float32)
+    if T == 0:
+        if output_final_state:
+            ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
+        return o, ht
+    run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse)
+    if cfg.split:
+        h = run.states()
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht)
+        run.output(o, dual=False, q=q, k=k, v=v, h=h)
+    else:
+        run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht)
+    return o, ht
+
+
+def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
+                     initial_state: Optional[Tensor], do: Tensor, dht: Optional[Tensor], scale: float, reverse: bool,
+                     *, config: Optional[ChunkConfig] = None
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dg_gamma, dh0), each like its input; an empty [0] where the input is None."""
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dg = q.new_empty(0) if g is None else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    dh0 = q.new_empty(0) if initial_state is None else torch.empty(
+        initial_state.shape, dtype=initial_state.dtype, device=initial_state.device)
+    q, k, v, cfg = _prepare(q, k, v, g, config)
+    B, T, H, K = q.shape
+    if T == 0:
+        for x in (dq, dk, dv, dg):
+            x.zero_()
+        if initial_state is not None:
+            dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        return dq, dk, dv, dg, (q.new_empty(0) if g_gamma is None else torch.zeros_like(g_gamma)), dh0
+
+    run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse)
+    h = run.states()
+    run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
+    dh = run.states()
+    if cfg.split:
+        run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0)
+        run.output(dv, dual=True, q=q, k=k, v=do, h=dh)
+    else:
+        run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0)
+    # constant gate: per-step gradients [B, T, H], summed over batch and time below
+    dg_steps = None if g_gamma is None else q.new_empty(B, T, H, dtype=torch.float32)
+    run.dqkg(dq, q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg if g_gamma is None else dg_steps)
+    dg_gamma = q.new_empty(0) if g_gamma is None else dg_steps.sum((0, 1)).to(g_gamma.dtype)
+    return dq, dk, dv, dg, dg_gamma, dh0

@@ -1,0 +1,271 @@
+"""Numerics of the chunked GLA Triton kernels (``gla_inductor.triton_chunk``), forward and backward.
+
+Every case is checked against autograd through the float64 time loop of ``gla_inductor.reference``.
+Without a GPU the kernels run on CPU tensors under the Triton interpreter (``conftest.py`` sets
+``TRITON_INTERPRET=1`` before triton is imported). With a GPU, the same cases run compiled on CUDA.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+triton = pytest.importorskip("triton")
+pytest.importorskip("jinja2")
+KERNELS_RUN_HERE = ON_GPU or type(triton.language.cumsum).__name__ == "InterpretedFunction"
+needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="triton was imported without TRITON_INTERPRET=1")
+
+from gla_inductor import triton_chunk  # noqa: E402
+from gla_inductor.reference import naive_recurrent_gla  # noqa: E402
+from gla_inductor.templates import standalone  # noqa: E402
+
+# relative (Frobenius) error bounds against float64, per input dtype
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def matmul_precision():
+    """Set torch's fp32 matmul precision for one test, restoring it afterwards."""
+    saved = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(saved)
+
+
+def _logsigmoid_gate(shape, generator):
+    return F.logsigmoid(torch.randn(shape, generator=generator))
+
+
+def _steep_gate(shape, generator):
+    """Log gates uniform in [-20, 0]: chunk sums far beyond exp's range."""
+    return -20 * torch.rand(shape, generator=generator)
+
+
+def _near_limit_gate(shape, generator):
+    """Log gates uniform in [-2.2, 0]: 64-step sums near -70, anchored factors up to about 2^(+-60)."""
+    return -2.2 * torch.rand(shape, generator=generator)
+
+
+def _mixed_gate(shape, generator):
+    """Gentle gates with one steep stretch of steps 64-127 (B, T, ... layout)."""
+    g = _logsigmoid_gate(shape, generator)
+    g[:, 64:128] = _steep_gate(g[:, 64:128].shape, generator)
+    return g
+
+
+@dataclass(frozen=True)
+class Case:
+    gate: str  # "vector" | "scalar" | "const" | "none"
+    B: int = 1
+    T: int = 17
+    H: int = 1
+    K: int = 16
+    V: int = 16
+    dtype: torch.dtype = torch.float32
+    gate_dtype: torch.dtype = torch.float32
+    h0: bool = False
+    ht: bool = False
+    reverse: bool = False
+    transposed: bool = False  # q, k, v, do as [B, H, T, D] storage seen as [B, T, H, D]
+    gate_fn: object = _logsigmoid_gate
+    tol_scale: float = 1.0
+    split: bool = False  # the split schedule: states scans, then chunk-parallel outputs
+
+    @property
+    def id(self) -> str:
+        parts = [self.gate, f"B{self.B}-T{self.T}-H{self.H}-K{self.K}-V{self.V}", str(self.dtype)[6:]]
+        parts += [name for name in ("h0", "ht", "reverse", "transposed", "split") if getattr(self, name)]
+        if self.gate_fn is not _logsigmoid_gate:
+            parts.append(self.gate_fn.__name__.strip("_"))
+        return "-".join(parts)
+
+
+bf16, fp16 = torch.bfloat16, torch.float16
+CASES = [
+    # vector gate: odd T (partial last chunk), odd K/V, states, reverse
+    Case("vector", T=1, K=12, V=20, h0=True, ht=True),
+    Case("vector", T=17, K=12, V=20, h0=True, reverse=True),
+    Case("vector", T=64, K=32, V=32, ht=True),
+    Case("vector", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True),
+    Case("vector", B=2, T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True),
+    Case("vector", T=65, K=96, V=96, h0=True, ht=True),
+    Case("vector", B=2, T=65, H=2, K=20, V=12, h0=True, transposed=True),
+    # scalar gate
+    Case("scalar", T=1, K=12, V=20, h0=True, ht=True, reverse=True),
+    Case("scalar", T=17, K=20, V=12, ht=True),
+    Case("scalar", B=2, T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True),
+    # constant gate
+    Case("const", T=17, K=12, V=20, h0=True),
+    Case("const", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True, reverse=True),
+    Case("const", T=130, H=2, K=32, V=32, ht=True),
+    # no gate
+    Case("none", T=17, K=20, V=12, ht=True),
+    Case("none", B=2, T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True),
+    # 16-bit inputs (the gate in fp32, as models usually keep it, or bf16)
+    Case("vector", T=65, H=2, K=20, V=12, dtype=bf16, h0=True, ht=True),
+    Case("vector", T=40, H=2, K=32, V=32, dtype=bf16, gate_dtype=bf16, reverse=True),
+    Case("scalar", T=130, H=2, K=32, V=32, dtype=bf16, h0=True, ht=True, reverse=True),
+    Case("const", T=64, H=2, K=32, V=32, dtype=bf16, gate_dtype=bf16, ht=True),
+    Case("none", T=33, H=2, K=32, V=32, dtype=bf16, h0=True),
+    Case("vector", T=40, H=2, K=32, V=32, dtype=fp16, h0=True, ht=True),
+    # steep gates: anchored factors near their 2^(+-64) limit, then past it (the exact pairwise path)
+    Case("vector", T=128, H=2, K=32, V=32, h0=True, ht=True, gate_fn=_near_limit_gate),
+    Case("vector", T=128, H=2, K=32, V=32, dtype=bf16, ht=True, reverse=True, gate_fn=_near_limit_gate),
+    Case("vector", T=512, h0=True, ht=True, gate_fn=_steep_gate, tol_scale=10),
+    Case("scalar", T=200, h0=True, ht=True, reverse=True, gate_fn=_steep_gate, tol_scale=10),
+    Case("vector", T=256, h0=True, ht=True, reverse=True, gate_fn=_mixed_gate, tol_scale=10),
+    # the split schedule
+    Case("vector", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True, split=True),
+    Case("vector", T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True, split=True),
+    Case("scalar", T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True, split=True),
+    Case("const", T=65, H=2, K=20, V=12, ht=True, split=True),
+    Case("none", T=17, K=20, V=12, h0=True, ht=True, split=True),
+    Case("vector", T=65, H=2, K=20, V=12, dtype=bf16, h0=True, ht=True, split=True),
+    Case("vector", T=256, h0=True, ht=True, gate_fn=_mixed_gate, tol_scale=10, split=True),
+]
+
+
+def _make_inputs(case: Case, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    B, T, H, K, V = case.B, case.T, case.H, case.K, case.V
+
+    def qkv(D):
+        if case.transposed:
+            return torch.randn(B, H, T, D, generator=gen).to(case.dtype).to(device).transpose(1, 2)
+        return torch.randn(B, T, H, D, generator=gen).to(case.dtype).to(device)
+
+    q, k, v = qkv(K), qkv(K), qkv(V)
+    gate_shape = {"vector": (B, T, H, K), "scalar": (B, T, H), "const": (H,)}.get(case.gate)
+    gate = None if gate_shape is None else case.gate_fn(gate_shape, gen).to(case.gate_dtype).to(device)
+    g = gate if case.gate in ("vector", "scalar") else None
+    g_gamma = gate if case.gate == "const" else None
+    h0 = torch.randn(B, H, K, V, generator=gen).to(device) if case.h0 else None
+    do = qkv(V)
+    dht = torch.randn(B, H, K, V, generator=gen).to(device) if case.ht else None
+    return q, k, v, g, g_gamma, h0, do, dht
+
+
+def _reference(q, k, v, g, g_gamma, h0, do, dht, scale, reverse):
+    """(o, ht, grads of q, k, v, g, g_gamma, h0) from autograd through the float64 time loop."""
+    inputs = [None if x is None else x.detach().double().requires_grad_() for x in (q, k, v, g, g_gamma, h0)]
+    o, ht = naive_recurrent_gla(*inputs[:4], g_gamma=inputs[4], scale=scale, initial_state=inputs[5],
+                                output_final_state=True, reverse=reverse)
+    loss = (o * do.double()).sum()
+    if dht is not None:
+        loss = loss + (ht * dht.double()).sum()
+    loss.backward()
+    return o, ht, [None if x is None else x.grad for x in inputs]
+
+
+def _assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: not finite"
+    err = ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.1e}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_chunk_fwd_bwd_match_reference(case: Case):
+    q, k, v, g, g_gamma, h0, do, dht = _make_inputs(case, DEVICE)
+    scale = case.K**-0.5
+    config = triton_chunk.default_config(case.B, case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
+                                         q.device)
+    config = dataclasses.replace(config, split=case.split)
+    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, scale, case.ht, case.reverse, config=config)
+    grads = triton_chunk.chunk_bwd_triton(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse, config=config)
+    ref_o, ref_ht, ref_grads = _reference(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse)
+
+    tol = TOL[case.dtype] * case.tol_scale
+    assert o.dtype == case.dtype
+    _assert_close("o", o, ref_o, tol)
+    if case.ht:
+        assert ht.dtype == torch.float32
+        _assert_close("ht", ht, ref_ht, tol)
+    else:
+        assert ht.shape == (0,)
+    names = ("dq", "dk", "dv", "dg", "dg_gamma", "dh0")
+    for name, grad, ref, x in zip(names, grads, ref_grads, (q, k, v, g, g_gamma, h0)):
+        if x is None:
+            assert grad.shape == (0,), f"{name} of an absent input"
+            continue
+        assert grad.dtype == x.dtype, f"{name} dtype"
+        # a bf16 gate gradient is rounded to bf16 as a whole; its relative error is bf16's
+        _assert_close(name, grad, ref, max(tol, TOL[grad.dtype]))
+
+
+@needs_kernels
+def test_tf32_matmul_precision(matmul_precision):
+    """fp32 inputs under torch's "high" precision take TF32 dots (exact only under the interpreter)."""
+    matmul_precision("high")
+    case = Case("vector", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True)
+    q, k, v, g, g_gamma, h0, do, dht = _make_inputs(case, DEVICE)
+    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, h0, 0.5, True, False)
+    dq, dk, dv, dg, _, dh0 = triton_chunk.chunk_bwd_triton(q, k, v, g, None, h0, do, dht, 0.5, False)
+    ref_o, ref_ht, (ref_dq, ref_dk, ref_dv, ref_dg, _, ref_dh0) = _reference(q, k, v, g, None, h0, do, dht, 0.5, False)
+    tol = 1e-2 if ON_GPU else 1e-4
+    for name, a, b in [("o", o, ref_o), ("ht", ht, ref_ht), ("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv),
+                       ("dg", dg, ref_dg), ("dh0", dh0, ref_dh0)]:
+        _assert_close(name, a, b, tol)
+
+
+@needs_kernels
+def test_empty_sequence():
+    """T = 0: no steps, so o is empty, the final state is the initial one, and dh0 = dht."""
+    q, k, v = (torch.randn(2, 0, 3, D, device=DEVICE) for D in (8, 8, 4))
+    g = torch.zeros(2, 0, 3, 8, device=DEVICE)
+    h0, dht = torch.randn(2, 3, 8, 4, device=DEVICE), torch.randn(2, 3, 8, 4, device=DEVICE)
+    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, h0, 1.0, True, False)
+    assert o.shape == (2, 0, 3, 4)
+    torch.testing.assert_close(ht, h0)
+    dq, dk, dv, dg, dg_gamma, dh0 = triton_chunk.chunk_bwd_triton(q, k, v, g, None, h0, torch.zeros_like(v), dht,
+                                                                   1.0, False)
+    assert dq.shape == q.shape and dv.shape == v.shape and dg.shape == g.shape and dg_gamma.shape == (0,)
+    torch.testing.assert_close(dh0, dht)
+
+
+@needs_kernels
+@pytest.mark.skipif(not ON_GPU, reason="65536 steps: too slow for the interpreter")
+def test_steep_gates_long_sequence():
+    """g = -20 forgets the state within a step: o_t = scale (q_t . k_t) v_t up to e^-20, for T = 65536."""
+    B, T, H, K, V = 1, 65536, 2, 64, 64
+    q, k, v = (torch.randn(B, T, H, D, device="cuda") for D in (K, K, V))
+    for g in (torch.full((B, T, H, K), -20.0, device="cuda"), torch.full((B, T, H), -20.0, device="cuda")):
+        o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, 0.125, True, False)
+        expected = 0.125 * (q * k).sum(-1, keepdim=True) * v
+        _assert_close("o", o, expected.double(), 1e-5)
+        _assert_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
+        grads = triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, torch.randn_like(v), None, 0.125, False)
+        assert all(torch.isfinite(x).all() for x in grads)
+
+
+@needs_kernels
+def test_supports_reports_limits():
+    q = torch.randn(1, 4, 2, 16, device=DEVICE)
+    assert triton_chunk.triton_supports(q, q, q) is None
+    big_k = torch.randn(1, 4, 2, 320, device=DEVICE)
+    assert "K = 320" in triton_chunk.triton_supports(big_k, big_k, q)
+    big_v = torch.randn(1, 4, 2, 640, device=DEVICE)
+    assert "V = 640" in triton_chunk.triton_supports(q, q, big_v)
+    q64 = q.double()
+    assert "float64" in triton_chunk.triton_supports(q64, q64, q64)
+
+
+@needs_kernels
+def test_standalone_render_is_cached_and_specializes_no_size():
+    """One kernel per option set; sizes are do_not_specialize and absent inputs vanish from the signature."""
+    options = dict(BT=16, BK=16, BV=16, USE_GK=False, USE_G=False, USE_G_GAMMA=False, REVERSE=False, SCALE=1.0,
+                   DOT_DTYPE="tl.float32", F32_PRECISION="'ieee'", WRITE_OUT=True, DUAL=False, STORE_STATES=False,
+                   USE_H0=False, STORE_HT=False)
+    ndims = {"q": 4, "k": 4, "v": 4, standalone.OUT: 4}
+    names = ("gla_chunk_scan", "gla_common")
+    kernel = standalone.render(names, "gla_chunk_scan", options, ndims)
+    assert standalone.render(names, "gla_chunk_scan", dict(options), dict(ndims)) is kernel
+    assert kernel.pointers == ("q", "k", "v")
+    sizes = [s.name for s in kernel.scalars if s.kind == "size"]
+    assert "q_size_1" in sizes  # T
+    assert f"do_not_specialize={sizes!r}" in kernel.source
+    assert "{{" not in kernel.source and "{%" not in kernel.source
