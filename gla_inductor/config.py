@@ -14,6 +14,10 @@ forms: tuple = ("loop", "parallel")
 # Rewrite graphs at all (False: the backend is plain Inductor).
 enabled: bool = True
 
+# Run the GLA ops on CUDA with the Triton kernels; False forces the chunked PyTorch
+# implementation (the fallback every unsupported case takes anyway).
+triton_kernels: bool = True
+
 
 @contextlib.contextmanager
 def patch(**changes):

@@ -14,11 +14,20 @@ def _note_fallback(reason: str) -> None:
     log.info("gla_inductor: CUDA call falls back to the PyTorch implementation: %s", reason)
 
 
+def _unsupported(q, k, v, g, g_gamma, initial_state):
+    from . import config
+    from .triton_chunk import triton_supports
+
+    if not config.triton_kernels:
+        return "gla_inductor.config.triton_kernels is off"
+    return triton_supports(q, k, v, g, g_gamma, initial_state)
+
+
 def chunk_fwd_cuda(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
     from . import ops
-    from .triton_chunk import chunk_fwd_triton, triton_supports
+    from .triton_chunk import chunk_fwd_triton
 
-    reason = triton_supports(q, k, v, g, g_gamma, initial_state)
+    reason = _unsupported(q, k, v, g, g_gamma, initial_state)
     if reason is not None:
         _note_fallback(reason)
         return ops._chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
@@ -27,9 +36,9 @@ def chunk_fwd_cuda(q, k, v, g, g_gamma, initial_state, scale, output_final_state
 
 def chunk_bwd_cuda(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     from . import ops
-    from .triton_chunk import chunk_bwd_triton, triton_supports
+    from .triton_chunk import chunk_bwd_triton
 
-    reason = triton_supports(q, k, v, g, g_gamma, initial_state)
+    reason = _unsupported(q, k, v, g, g_gamma, initial_state)
     if reason is not None:
         _note_fallback(reason)
         return ops._chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)

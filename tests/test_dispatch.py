@@ -1,0 +1,38 @@
+"""The CUDA entry points route to the Triton kernels, or to the PyTorch implementation when
+the kernels do not apply or are switched off. Exercised on CPU through the interpreter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gla_inductor
+from gla_inductor import cuda_dispatch, ops
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter routing only")
+
+
+def inputs(dtype=torch.float32):
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 20, 2, 8, dtype=dtype), torch.randn(1, 20, 2, 8, dtype=dtype)
+    v = torch.randn(1, 20, 2, 12, dtype=dtype)
+    return q, k, v, F.logsigmoid(torch.randn(1, 20, 2, 8, dtype=dtype))
+
+
+def test_kernels_and_fallback_agree():
+    q, k, v, g = inputs()
+    o_k, ht_k = cuda_dispatch.chunk_fwd_cuda(q, k, v, g, None, None, 0.3, True, False)
+    with gla_inductor.config.patch(triton_kernels=False):
+        o_t, ht_t = cuda_dispatch.chunk_fwd_cuda(q, k, v, g, None, None, 0.3, True, False)
+    ref_o, ref_ht = ops._chunk_fwd_torch(q, k, v, g, None, None, 0.3, True, False)
+    assert torch.equal(o_t, ref_o) and torch.equal(ht_t, ref_ht)
+    assert torch.allclose(o_k, ref_o, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(ht_k, ref_ht, rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_dtype_falls_back():
+    q, k, v, g = inputs(torch.float64)
+    assert "float64" in cuda_dispatch._unsupported(q, k, v, g, None, None)
+    o, _ = cuda_dispatch.chunk_fwd_cuda(q, k, v, g, None, None, 0.3, False, False)
+    assert o.dtype == torch.float64
+    assert torch.equal(o, ops._chunk_fwd_torch(q, k, v, g, None, None, 0.3, False, False)[0])
