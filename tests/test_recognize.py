@@ -159,3 +159,16 @@ def test_failed_replacement_is_undone(monkeypatch):
     assert any("replacement failed" in n.reason for n in report.near_misses)
     out = torch.compile(sp.fn, backend=gla_inductor.backend)(*args)
     assert rel_err(out, sp.fn(*[a.double() for a in args])) <= FP32_TOL
+
+
+def test_backend_by_name_with_mode():
+    """The entry point makes backend="gla_inductor" work; mode= reaches Inductor's config."""
+    from gla_inductor.backend import config_patches
+
+    sp = SPELLINGS[0]
+    args = sp.make(torch.float32)
+    out = torch.compile(sp.fn, backend="gla_inductor", mode="max-autotune-no-cudagraphs")(*args)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert rel_err(out, sp.fn(*[a.double() for a in args])) <= FP32_TOL
+    assert config_patches(mode="max-autotune-no-cudagraphs")["max_autotune"] is True
+    assert config_patches(options={"epilogue_fusion": False})["epilogue_fusion"] is False
