@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from . import config
 from .recognize import RewriteResult, rewrite_graph
+from .recognize.match import NearMiss
 
 log = logging.getLogger("gla_inductor")
 
@@ -28,7 +29,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
     """A torch.compile backend: `torch.compile(model, backend=gla_inductor.backend)`.
 
     `mode=` and `options=` are honored as the inductor backend honors them."""
-    result = rewrite(gm)
+    result = rewrite(gm, example_inputs)
     for listen in _listeners:
         listen(gm, result)
     from torch._inductor.compile_fx import compile_fx
@@ -36,21 +37,61 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
     return compile_fx(gm, example_inputs, config_patches=config_patches(**kwargs))
 
 
-def rewrite(gm: torch.fx.GraphModule) -> RewriteResult:
+def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> RewriteResult:
     """Rewrite `gm` in place; on any internal error log it and leave `gm` unchanged."""
     if not config.enabled:
         return RewriteResult()
+    original = _copy(gm) if config.verify and example_inputs is not None else None
     try:
         result = rewrite_graph(gm, forms=tuple(config.forms))
     except Exception:
         log.warning("gla_inductor: the GLA rewrite failed; compiling the graph unchanged", exc_info=True)
         counters["gla_inductor"]["failures"] += 1
         return RewriteResult()
+    if original is not None and result.matches:
+        why = _verify(original, gm, example_inputs)
+        if why is not None:
+            log.warning("gla_inductor: verify refused the rewrite: %s", why)
+            counters["gla_inductor"]["verify_refused"] += 1
+            gm.graph = original.graph
+            gm.recompile()
+            near = [NearMiss(m.form, f"verify: {why}", m.nodes) for m in result.matches]
+            return RewriteResult([], result.near_misses + near, result.seconds)
     for m in result.matches:
         counters["gla_inductor"]["rewrites"] += 1
         counters["gla_inductor"][f"rewrites_{m.form}"] += 1
     counters["gla_inductor"]["near_misses"] += len(result.near_misses)
     return result
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    val_map: dict = {}
+    out, old_output = graph.graph_copy(gm.graph, val_map, return_output_node=True)
+    graph.output(out).meta = dict(old_output.meta)
+    for old, new in val_map.items():
+        if hasattr(old, "_dynamo_source"):  # Dynamo keeps input sources on the node object
+            new._dynamo_source = old._dynamo_source
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _verify(original: torch.fx.GraphModule, rewritten: torch.fx.GraphModule, inputs: list) -> str | None:
+    """None when both graphs agree on the example inputs, else what differs."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if any(isinstance(x, torch.Tensor) and is_fake(x) for x in inputs):
+        return None  # no values to run on
+    with torch.no_grad():
+        want = original(*inputs)
+        got = rewritten(*inputs)
+    for i, (w, g) in enumerate(zip(want, got)):
+        if not isinstance(w, torch.Tensor):
+            continue
+        scale = w.abs().max().clamp_min(1e-30) if w.numel() else 1.0
+        err = ((g.double() - w.double()).abs().max() / scale).item() if w.numel() else 0.0
+        if w.shape != g.shape or not err <= config.verify_rtol:
+            return f"output {i} differs (relative error {err:.1e})"
+    return None
 
 
 def config_patches(mode: str | None = None, options: dict | None = None, dynamic=None) -> dict:

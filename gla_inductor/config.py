@@ -14,6 +14,11 @@ forms: tuple = ("loop", "parallel")
 # Rewrite graphs at all (False: the backend is plain Inductor).
 enabled: bool = True
 
+# Check every rewritten graph against the original at compile time, on the example inputs,
+# and keep the original where they differ (slow: the naive graph runs once more).
+verify: bool = False
+verify_rtol: float = 1e-3
+
 # Run the GLA ops on CUDA with the Triton kernels; False forces the chunked PyTorch
 # implementation (the fallback every unsupported case takes anyway).
 triton_kernels: bool = True

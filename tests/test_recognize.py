@@ -172,3 +172,27 @@ def test_backend_by_name_with_mode():
     assert rel_err(out, sp.fn(*[a.double() for a in args])) <= FP32_TOL
     assert config_patches(mode="max-autotune-no-cudagraphs")["max_autotune"] is True
     assert config_patches(options={"epilogue_fusion": False})["epilogue_fusion"] is False
+
+
+def test_verify_mode_accepts_and_refuses(monkeypatch):
+    sp = SPELLINGS[0]
+    args = sp.make(torch.float32)
+    with gla_inductor.config.patch(verify=True):
+        torch.compile(sp.fn, backend=gla_inductor.backend)(*args)
+        assert counters["gla_inductor"]["rewrites"] == 1
+        # A wrong op (here: the output scaled by 2) must be refused and the original kept.
+        real = torch.ops.gla_inductor.chunk_fwd.default
+
+        def wrong(*a):
+            o, ht = real(*a)
+            return o * 2, ht
+
+        from gla_inductor.recognize import emit
+
+        call = emit.Emitter.call
+        monkeypatch.setattr(emit.Emitter, "call", lambda self, t, *a, **k: call(self, wrong if t is real else t, *a, **k))
+        torch._dynamo.reset()
+        out = torch.compile(sp.fn, backend=gla_inductor.backend)(*args)
+    assert counters["gla_inductor"]["verify_refused"] == 1
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert rel_err(out, sp.fn(*[a.double() for a in args])) <= FP32_TOL
