@@ -20,7 +20,16 @@ def _unsupported(q, k, v, g, g_gamma, initial_state):
 
     if not config.triton_kernels:
         return "gla_inductor.config.triton_kernels is off"
+    gate = gate_kind(g, g_gamma)
+    if gate not in config.triton_gates:
+        return f"{gate} gates are not in gla_inductor.config.triton_gates"
     return triton_supports(q, k, v, g, g_gamma, initial_state)
+
+
+def gate_kind(g, g_gamma) -> str:
+    if g is not None:
+        return "vector" if g.dim() == 4 else "scalar"
+    return "constant" if g_gamma is not None else "none"
 
 
 def chunk_fwd_cuda(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):

@@ -36,3 +36,13 @@ def test_unsupported_dtype_falls_back():
     o, _ = cuda_dispatch.chunk_fwd_cuda(q, k, v, g, None, None, 0.3, False, False)
     assert o.dtype == torch.float64
     assert torch.equal(o, ops._chunk_fwd_torch(q, k, v, g, None, None, 0.3, False, False)[0])
+
+
+def test_untrusted_gate_kinds_fall_back():
+    q, k, v, g = inputs()
+    gs = g[..., 0]
+    assert "scalar gates" in cuda_dispatch._unsupported(q, k, v, gs, None, None)
+    with gla_inductor.config.patch(triton_gates=("vector", "scalar")):
+        assert cuda_dispatch._unsupported(q, k, v, gs, None, None) is None
+    o, _ = cuda_dispatch.chunk_fwd_cuda(q, k, v, gs, None, None, 0.3, False, False)
+    assert torch.equal(o, ops._chunk_fwd_torch(q, k, v, gs, None, None, 0.3, False, False)[0])
