@@ -3,26 +3,38 @@
 The ops are opaque to Dynamo and AOTAutograd: the forward graph holds one ``chunk_fwd`` node and
 the backward graph one ``chunk_bwd`` node (through ``register_autograd``), which the lowerings can
 then replace by Triton templates. This module holds their CPU (and fallback) implementation: a
-chunked algorithm in plain PyTorch, O(T * BT * (K + V)) work per head.
+chunked algorithm in plain PyTorch, O(T * BT * (K + V)) work per head, batched over all chunks at
+once but for the state recurrence, the only loop over chunks.
 
 Notation, per (batch, head), after the [B, T, H, D] -> [B, H, NT, BT, D] chunking:
-  BT    chunk length; NT number of chunks (the last one zero-padded)
+  BT    chunk length, a power of two; NT number of chunks (the last one zero-padded)
   Kg    gate width: K for a vector gate, 1 for scalar, constant and absent gates
-  b_gc  chunk-local cumulative log gate, b_gc[i] = g[c0] + ... + g[c0 + i]   # [BT, Kg]
-  b_gr  log decay from after step j to the chunk end                         # [BT, Kg]
-  b_gl  b_gc[BT - 1], the log decay of the whole chunk                        # [1, Kg]
-  h     state entering a chunk; dh gradient w.r.t. the state leaving it      # [K, V]
+  gc    chunk-local cumulative log gate, gc[i] = g[c0] + ... + g[c0 + i]     # [BT, Kg]
+  gr    log decay from after step j to the chunk end                        # [BT, Kg]
+  gl    gc[BT - 1], the log decay of the whole chunk                        # [1, Kg]
+  A     in-chunk attention matrix, A[i, j] = sum_k q[i, k] k[j, k] exp(g[j+1, k] + ... + g[i, k])
+        for j <= i                                                           # [BT, BT]
+  h     state entering a chunk; dh gradient w.r.t. the state leaving it     # [K, V]
+
+For Kg == 1 the decays of A are one [BT, BT] matrix. A vector gate would need them as
+[BT, BT, K]; instead the chunk is halved recursively (blocks of 2s steps cut in two, s = BT/2 ..
+1), every pair i > j lies across exactly one cut, and there its decay factors into one for i and
+one for j, so that the pairs of a level are a batched matmul (``_Split``).
 
 NOTE:[GLA chunk stability] Every exponential is exp of a sum of gates over a span inside one
-chunk: g[j+1] + ... + g[i] for j <= i, the prefix b_gc[i], the suffix b_gr[j] = g[j+1] + ... +
-g[BT-1], or b_gl. For g <= 0 they are <= 0, so no exponential can overflow however long T is;
-for g > 0 they grow by at most exp(BT * max g), within range whenever the naive recurrence is.
-Pairs above the diagonal are masked to -inf *before* exp, so they can produce neither inf nor
-NaN. Spans are summed directly, never as a difference of two long prefix sums, whose rounding
-error (|sum| * eps) would otherwise dominate when gates are strongly negative.
+chunk: g[j+1] + ... + g[i] for j <= i (Kg == 1), the chunk prefix gc[i], suffix gr[j] = g[j+1] +
+... + g[BT-1] or gl, or for a vector gate the prefix g[m] + ... + g[i] and suffix g[j+1] + ... +
+g[m-1] of a pair across the cut m of a block, whose product is the pair's decay. For g <= 0 they
+are <= 0, so no exponential can overflow however long T is (one that underflows only drops
+terms smaller still); for g > 0 they grow by at most exp(BT * max g), within range whenever the
+naive recurrence is. Pairs above the diagonal are masked to -inf *before* exp, or never formed,
+so they can produce neither inf nor NaN. Spans are summed directly (a cumsum, or the tree sums
+of ``_block_scan``), never as a difference of two long prefix sums, whose rounding error
+(|sum| * eps) would otherwise dominate when gates are strongly negative. Likewise dg[t] is summed
+from the terms that go through exp(g[t]), never as a difference of larger sums.
 """
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +42,7 @@ from torch import Tensor
 
 __all__ = ["chunk_gla", "register_cuda_impl", "BT"]
 
-BT = 64
+BT = 64  # a power of two: the block scan halves it down to single steps
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -67,16 +79,17 @@ def _state_dtype(q, k, v, g, g_gamma, initial_state) -> torch.dtype:
     return _compute_dtype(q, k, v, g, g_gamma, initial_state)
 
 
-def _to_chunks(x: Tensor, NT: int, reverse: bool) -> Tensor:
-    """[B, T, H, D] -> [B, H, NT, BT, D], time-flipped for reverse, zero-padded at the end.
+def _to_chunks(x: Tensor, NT: int, reverse: bool, dtype: torch.dtype) -> Tensor:
+    """[B, T, H, D] -> contiguous [B, H, NT, BT, D] in dtype, time-flipped for reverse, zero-padded.
 
     Zero padding is inert: padded steps have k = v = 0 (no state update) and g = 0 (no decay).
+    Contiguous, as the batched matmuls would otherwise copy their operands at every use.
     """
     B, T, H, D = x.shape
-    if reverse:
-        x = x.flip(1)
-    x = F.pad(x.transpose(1, 2), (0, 0, 0, NT * BT - T))
-    return x.reshape(B, H, NT, BT, D)
+    chunks = x.new_empty(B, H, NT * BT, D, dtype=dtype)
+    chunks[:, :, :T] = (x.flip(1) if reverse else x).transpose(1, 2)
+    chunks[:, :, T:] = 0
+    return chunks.view(B, H, NT, BT, D)
 
 
 def _from_chunks(x: Tensor, T: int, reverse: bool, dtype: torch.dtype) -> Tensor:
@@ -97,31 +110,11 @@ def _log_gate(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> Tens
     return q.new_zeros(B, T, H, 1)
 
 
-class _Gates(NamedTuple):
-    """Log gates of every chunk, [B, H, NT, BT, Kg]."""
-
-    g: Tensor  # per step
-    gc: Tensor  # inclusive prefix sum: log decay from the chunk start through step i
-    gr: Tensor  # exclusive suffix sum: log decay from after step j to the chunk end
-
-    @property
-    def gl(self) -> Tensor:
-        """Log decay of the whole chunk, [..., 1, Kg]."""
-        return self.gc[..., -1:, :]
-
-
-def _make_gates(g: Tensor) -> _Gates:
-    # gr is summed directly rather than taken as gl - gc, which carries an error of
-    # |gl| * eps into every entry when a chunk decays hard
-    later = F.pad(g[..., 1:, :], (0, 0, 0, 1))
-    return _Gates(g, g.cumsum(-2), later.flip(-2).cumsum(-2).flip(-2))
-
-
 class _Chunked(NamedTuple):
     q: Tensor  # [B, H, NT, BT, K]
     k: Tensor  # [B, H, NT, BT, K]
     v: Tensor  # [B, H, NT, BT, V]
-    gates: _Gates
+    g: Tensor  # [B, H, NT, BT, Kg], the log gate of every step
     h0: Tensor  # [B, H, K, V]
 
 
@@ -132,23 +125,88 @@ def _prepare(q, k, v, g, g_gamma, initial_state, reverse) -> _Chunked:
     NT = -(-T // BT)
 
     def chunks(x):
-        return _to_chunks(x.to(dtype), NT, reverse)
+        return _to_chunks(x, NT, reverse, dtype)
 
-    gates = _make_gates(chunks(_log_gate(q, g, g_gamma)))
     if initial_state is None:
         h0 = q.new_zeros(B, H, K, V, dtype=dtype)
     else:
         h0 = initial_state.to(dtype)
-    return _Chunked(chunks(q), chunks(k), chunks(v), gates, h0)
+    return _Chunked(chunks(q), chunks(k), chunks(v), chunks(_log_gate(q, g, g_gamma)), h0)
 
 
-def _tri(n: int, like: Tensor, diagonal: int = 0) -> Tensor:
-    """[n, n] ones on and below ``diagonal``, in like's dtype.
+# ----------------------------------------------------------------------------------------------
+# gate sums: the block scan
+# ----------------------------------------------------------------------------------------------
 
-    As a matmul it sums directly, never by differences: (L @ x)[i] sums x[j] over j <= i (over
-    j < i for diagonal=-1), and (L.mT @ x)[i] over j >= i (j > i).
+
+def _block_sizes() -> list[int]:
+    """1, 2, 4, ..., BT."""
+    return [1 << n for n in range(BT.bit_length())]
+
+
+def _halves(x: Tensor, s: int) -> tuple[Tensor, Tensor]:
+    """Views of the left and right halves of every block of 2s steps: [..., BT / (2s), s, D] each."""
+    x = x.unflatten(-2, (BT // (2 * s), 2, s))
+    return x[..., 0, :, :], x[..., 1, :, :]
+
+
+def _block_scan(g: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """(s, pre, suf) for s = 1, 2, 4, ..., BT, with the steps of each chunk in blocks of s:
+
+    pre[i] = g summed from the start of i's block through i, and suf[j] = g summed from after j
+    to the end of j's block, [..., BT, Kg] each; at s = BT they are gc and gr. Going to 2s adds
+    the total of each left half to the prefixes of its right half, and that of each right half to
+    the suffixes of its left half, so every entry is a direct (tree) sum of the gates it spans,
+    never a difference. pre and suf are updated in place after each yield.
     """
-    return torch.ones(n, n, dtype=like.dtype, device=like.device).tril(diagonal)
+    pre, suf = g.clone(), torch.zeros_like(g)
+    for s in _block_sizes():
+        yield s, pre, suf
+        if s == BT:
+            return
+        (pre_l, pre_r), (suf_l, _) = _halves(pre, s), _halves(suf, s)
+        suf_l.add_(pre_r[..., -1:, :])
+        pre_r.add_(pre_l[..., -1:, :])
+
+
+def _block_scan_grad(dpre: Tensor, dsuf: Tensor, level_grads: Optional[Tensor]) -> Tensor:
+    """Gradient w.r.t. g through ``_block_scan``, from those w.r.t. its final pre and suf (gc, gr).
+
+    level_grads[n], if given, holds the gradients w.r.t. pre on the right halves and suf on the
+    left halves at s = 2**n (where ``_split`` reads them). Runs the scan backwards, in place;
+    every step only adds, so each dg[t] stays a sum of the terms that go through exp(g[t]).
+    """
+    for n in reversed(range(BT.bit_length() - 1)):
+        s = 1 << n
+        (dpre_l, dpre_r), (dsuf_l, _) = _halves(dpre, s), _halves(dsuf, s)
+        right_total = dpre_r.sum(-2, keepdim=True)
+        dpre_r[..., -1:, :].add_(dsuf_l.sum(-2, keepdim=True))
+        dpre_l[..., -1:, :].add_(right_total)
+        if level_grads is not None:
+            grad_l, grad_r = _halves(level_grads[n], s)
+            dpre_r.add_(grad_r)
+            dsuf_l.add_(grad_l)
+    return dpre  # pre = g at s = 1
+
+
+class _Gates(NamedTuple):
+    """Chunk-level log decays of every chunk, [B, H, NT, BT, Kg]."""
+
+    gc: Tensor  # inclusive prefix sum: log decay from the chunk start through step i
+    gr: Tensor  # exclusive suffix sum: log decay from after step j to the chunk end
+
+    @property
+    def gl(self) -> Tensor:
+        """Log decay of the whole chunk, [..., 1, Kg]."""
+        return self.gc[..., -1:, :]
+
+
+def _make_gates(g: Tensor) -> _Gates:
+    # by the block scan, a direct sum: gr taken as gl - gc would carry an error of |gl| * eps
+    # into every entry when a chunk decays hard
+    for s, pre, suf in _block_scan(g):
+        pass
+    return _Gates(pre, suf)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +215,7 @@ def _tri(n: int, like: Tensor, diagonal: int = 0) -> Tensor:
 #
 # A[i, j] = sum_k q[i, k] k[j, k] E[i, j, k] for j <= i, with E the decay over the span (j, i].
 # One decay for all K (Kg == 1): E is a [BT, BT] matrix and A a masked matmul. A vector gate
-# would need E as [BT, BT, K]; instead A is built by recursive halving ("split" below).
+# would need E as [BT, BT, K]; instead A is built level by level of the block scan, as matmuls.
 
 
 def _pair_decay(g: Tensor) -> Tensor:
@@ -168,13 +226,37 @@ def _pair_decay(g: Tensor) -> Tensor:
     """
     causal = torch.ones(BT, BT, dtype=torch.bool, device=g.device).tril()
     span = torch.where(causal.tril(-1), g, 0).cumsum(-2)
-    return span.masked_fill(~causal, float("-inf")).exp()
+    return span.masked_fill_(~causal, float("-inf")).exp_()
 
 
-def _halves(x: Tensor, s: int) -> tuple[Tensor, Tensor]:
-    """Views of the left and right halves of every block of 2s steps: [..., BT / (2s), s, D] each."""
-    x = x.unflatten(-2, (BT // (2 * s), 2, s))
-    return x[..., 0, :, :], x[..., 1, :, :]
+class _Split(NamedTuple):
+    """One level of the split: blocks of 2s steps, each cut at m, the start of its right half.
+
+    Every pair i > j of a chunk lies across the cut of exactly one level, where its decay
+    exp(g[j+1] + ... + g[i]) is qd[i] kd[j]: qd[i] = exp(g[m] + ... + g[i]) into the right half
+    (pre at s), kd[j] = exp(g[j+1] + ... + g[m-1]) out of the left half (suf at s). Each is the
+    exp of a direct sum of gates inside one half, <= 1 for g <= 0. See NOTE:[GLA chunk stability].
+    """
+
+    s: int
+    qd: Tensor  # [..., BT / (2s), s, K], right halves
+    kd: Tensor  # left halves
+    qs: Tensor  # q * qd
+    ks: Tensor  # k * kd
+
+    def scores(self) -> Tensor:
+        """A at (right half, left half) of every block: [..., BT / (2s), s, s]."""
+        return self.qs @ self.ks.mT
+
+
+def _split(q: Tensor, k: Tensor, s: int, pre: Tensor, suf: Tensor, work: Tensor) -> _Split:
+    """Level s from the block scan's pre and suf at s, in work ([2, ..., BT, K], for every level)."""
+    (kd, qd), (ks, qs) = _halves(work[0], s), _halves(work[1], s)
+    torch.exp(_halves(pre, s)[1], out=qd)
+    torch.exp(_halves(suf, s)[0], out=kd)
+    torch.mul(_halves(q, s)[1], qd, out=qs)
+    torch.mul(_halves(k, s)[0], kd, out=ks)
+    return _Split(s, qd, kd, qs, ks)
 
 
 def _cross_blocks(A: Tensor, s: int) -> Tensor:
@@ -184,38 +266,45 @@ def _cross_blocks(A: Tensor, s: int) -> Tensor:
     return A.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
 
 
-def _split_levels() -> list[int]:
-    """Half-block sizes BT/2, ..., 1: every pair i > j of a chunk lies across exactly one split."""
-    return [BT >> n for n in range(1, BT.bit_length())]
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b; a contraction of 1 or 2 as outer products, where CPU bmm takes a ~10x slower path."""
+    if a.shape[-1] > 2:
+        return a @ b
+    return sum(a[..., c : c + 1] * b[..., c : c + 1, :] for c in range(a.shape[-1]))
 
 
-def _split_decays(g: Tensor, s: int) -> tuple[Tensor, Tensor]:
-    """Decays across the split m of every block of 2s steps (m starts its right half).
-
-    qd[i] = exp(g[m] + ... + g[i]) for i in the right half, kd[j] = exp(g[j+1] + ... + g[m-1]) for
-    j in the left half: qd[i] kd[j] is the decay of the pair (i, j), and each factor is the exp of
-    a direct sum inside one half, <= 1 for g <= 0. See NOTE:[GLA chunk stability].
-    """
-    g_l, g_r = _halves(g, s)
-    L = _tri(s, g)
-    return (L @ g_r).exp(), (L.tril(-1).mT @ g_l).exp()
-
-
-def _intra_scores(q: Tensor, k: Tensor, g: Tensor) -> Tensor:
-    """The in-chunk attention matrix A, [..., BT, BT], zero above the diagonal."""
-    if g.shape[-1] == 1:
-        return (q @ k.mT) * _pair_decay(g)
+def _diag_scores(q: Tensor, k: Tensor) -> Tensor:
+    """[..., BT, BT] zeros but for A[i, i] = q[i] . k[i]: the empty span, no decay."""
     A = q.new_zeros(*q.shape[:-1], BT)
-    A.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))  # empty span, no decay
-    for s in _split_levels():
-        qd, kd = _split_decays(g, s)
-        (_, q_r), (k_l, _) = _halves(q, s), _halves(k, s)
-        _cross_blocks(A, s).copy_((q_r * qd) @ (k_l * kd).mT)
+    A.diagonal(dim1=-2, dim2=-1).copy_(torch.linalg.vecdot(q, k))
     return A
 
 
-def _intra_grads(q, k, g, dA, with_dg: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """dq, dk of A given dA, and the part of dg through the in-chunk decays (None unless with_dg).
+def _intra_scores(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, _Gates]:
+    """The in-chunk attention matrix A, [..., BT, BT] zero above the diagonal, and the gates."""
+    if g.shape[-1] == 1:
+        return (q @ k.mT).mul_(_pair_decay(g)), _make_gates(g)
+    A, work = _diag_scores(q, k), q.new_empty(2, *q.shape)
+    for s, pre, suf in _block_scan(g):
+        if s == BT:
+            break  # pre and suf now sum over whole chunks
+        _cross_blocks(A, s).copy_(_split(q, k, s, pre, suf, work).scores())
+    return A, _Gates(pre, suf)
+
+
+class _IntraGrads(NamedTuple):
+    """What the backward needs of the in-chunk part; the gates come from the same block scan."""
+
+    A: Tensor
+    dq: Tensor
+    dk: Tensor
+    gates: _Gates
+    dg: Optional[Tensor]  # Kg == 1: the part of dg through the in-chunk decays
+    level_grads: Optional[Tensor]  # vector gate: the same as gradients for ``_block_scan_grad``
+
+
+def _intra_grads(q, k, g, dA, with_dg: bool) -> _IntraGrads:
+    """``_intra_scores``, dq and dk of A given dA, and (with_dg) its gradient w.r.t. the gates.
 
     dE[i, j] / dg[t] = E[i, j] for j < t <= i, so dg[t] sums M[i, j] = dA[i, j] q[i] k[j] E[i, j]
     over the pairs whose span holds t: every term is a well-scaled part of the result.
@@ -225,37 +314,41 @@ def _intra_grads(q, k, g, dA, with_dg: bool) -> tuple[Tensor, Tensor, Optional[T
     """
     if g.shape[-1] == 1:
         return _pair_grads(q, k, g, dA, with_dg)
+    A, work = _diag_scores(q, k), q.new_empty(2, *q.shape)
     dA_ii = dA.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
     dq, dk = dA_ii * k, dA_ii * q  # the diagonal spans nothing: no dg
-    dg = torch.zeros_like(g) if with_dg else None
-    for s in _split_levels():
-        qd, kd = _split_decays(g, s)
-        (_, q_r), (k_l, _) = _halves(q, s), _halves(k, s)
+    level_grads = q.new_empty(BT.bit_length() - 1, *q.shape) if with_dg else None
+    for s, pre, suf in _block_scan(g):
+        if s == BT:
+            break
+        level = _split(q, k, s, pre, suf, work)
+        _cross_blocks(A, s).copy_(level.scores())
         b_dA = _cross_blocks(dA, s)
-        dq_r = (b_dA @ (k_l * kd)) * qd
-        dk_l = (b_dA.mT @ (q_r * qd)) * kd
-        _halves(dq, s)[1].add_(dq_r)
-        _halves(dk, s)[0].add_(dk_l)
+        b_dq = _mm(b_dA, level.ks).mul_(level.qd)
+        b_dk = _mm(b_dA.mT, level.qs).mul_(level.kd)
+        _halves(dq, s)[1].add_(b_dq)
+        _halves(dk, s)[0].add_(b_dk)
         if with_dg:
-            # a pair across the split holds t if i >= t (t on the right) or j < t (t on the left);
-            # q dq and k dk per step are exactly those pair sums
-            L = _tri(s, g)
-            dg_l, dg_r = _halves(dg, s)
-            dg_r.add_(L.mT @ (q_r * dq_r))
-            dg_l.add_(L.tril(-1) @ (k_l * dk_l))
-    return dq, dk, dg
+            # q dq is the gradient w.r.t. pre on the right (through qd), k dk that w.r.t. suf on
+            # the left (through kd)
+            grad_l, grad_r = _halves(level_grads[s.bit_length() - 1], s)
+            torch.mul(b_dq, _halves(q, s)[1], out=grad_r)
+            torch.mul(b_dk, _halves(k, s)[0], out=grad_l)
+    return _IntraGrads(A, dq, dk, _Gates(pre, suf), None, level_grads)
 
 
-def _pair_grads(q, k, g, dA, with_dg: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def _pair_grads(q, k, g, dA, with_dg: bool) -> _IntraGrads:
     """``_intra_grads`` for Kg == 1, through the [BT, BT] decay matrix."""
-    dAE = dA * _pair_decay(g)  # zero above the diagonal
+    E = _pair_decay(g)
+    QK = q @ k.mT
+    dAE = dA * E  # zero above the diagonal
     dg = None
     if with_dg:
-        M = dAE * (q @ k.mT)
+        M = dAE * QK
         # exclusive cumsum by shifting, not by subtracting: M_ii is O(1), the sums it would hide are not
         R = F.pad(M[..., :, :-1], (1, 0)).cumsum(-1)  # R[i, t] = sum_{j < t} M[i, j]
-        dg = R.tril().sum(-2).unsqueeze(-1)  # then the sum over i >= t
-    return dAE @ k, dAE.mT @ q, dg
+        dg = R.tril_().sum(-2).unsqueeze(-1)  # then the sum over i >= t
+    return _IntraGrads(QK.mul_(E), dAE @ k, dAE.mT @ q, _make_gates(g), dg, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,86 +356,97 @@ def _pair_grads(q, k, g, dA, with_dg: bool) -> tuple[Tensor, Tensor, Optional[Te
 # ----------------------------------------------------------------------------------------------
 
 
-def _chunk_states(x: _Chunked) -> Tensor:
-    """State entering every chunk, then the final state: [B, H, NT + 1, K, V]."""
-    decay = x.gates.gl.mT.exp()  # [B, H, NT, Kg, 1]
-    update = (x.k * x.gates.gr.exp()).mT @ x.v  # k_j decayed to the chunk end
-    B, H, NT, K, V = update.shape
-    states = x.h0.new_empty(B, H, NT + 1, K, V)
-    states[:, :, 0] = x.h0
-    for n in range(NT):
-        torch.addcmul(update[:, :, n], decay[:, :, n], states[:, :, n], out=states[:, :, n + 1])
-    return states
+def _state_scan(update: Tensor, gl: Tensor, x: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+    """x <- exp(gl[n]) x + update[n] over the chunks n (downwards for reverse), from x = [B, H, K, V].
+
+    Returns x before every step, [B, H, NT, K, V], and after the last. With update the keys
+    decayed to the chunk end times v, that is the state entering every chunk and the final state;
+    backwards, with scale * q decayed from the chunk start times do, the gradient w.r.t. the state
+    leaving every chunk and dh0.
+    """
+    decay = gl.mT.exp()  # [B, H, NT, Kg, 1]
+    before = torch.empty_like(update)
+    for n in reversed(range(update.shape[2])) if reverse else range(update.shape[2]):
+        before[:, :, n] = x
+        x = torch.addcmul(update[:, :, n], decay[:, :, n], x)
+    return before, x
 
 
-def _state_grads(x: _Chunked, do: Tensor, dht: Optional[Tensor], scale: float) -> Tensor:
-    """Gradient w.r.t. every state of ``_chunk_states``, from the final state's dht back to dh0."""
-    decay = x.gates.gl.mT.exp()
-    update = scale * ((x.q * x.gates.gc.exp()).mT @ do)  # through the outputs of each chunk
-    NT = update.shape[2]
-    dhs = x.h0.new_zeros(*x.h0.shape[:2], NT + 1, *x.h0.shape[2:])
-    if dht is not None:
-        dhs[:, :, -1] = dht
-    for n in reversed(range(NT)):
-        torch.addcmul(update[:, :, n], decay[:, :, n], dhs[:, :, n + 1], out=dhs[:, :, n])
-    return dhs
+def _decayed(x: Tensor, log_decay: Tensor) -> Tensor:
+    """x * exp(log_decay), with a single [..., BT, K] temporary for a vector gate."""
+    decay = log_decay.exp()
+    return decay.mul_(x) if decay.shape == x.shape else x * decay
 
 
+def _batched(x: Tensor) -> Tensor:
+    """[..., M, N] as a [batch, M, N] view, for the in-place baddbmm_."""
+    return x.view(-1, *x.shape[-2:])
+
+
+def _fresh(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A contiguous copy in dtype: custom-op outputs may alias neither inputs nor each other."""
+    return x.to(dtype).clone(memory_format=torch.contiguous_format)
+
+
+# no_grad: the ops carry their own backward, and the out= and in-place writes into views below
+# would refuse inputs that require grad when called outside the op
+@torch.no_grad()
 def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
     x = _prepare(q, k, v, g, g_gamma, initial_state, reverse)
-    states = _chunk_states(x)
-    o = (x.q * x.gates.gc.exp()) @ states[:, :, :-1] + _intra_scores(x.q, x.k, x.gates.g) @ x.v
-    o = _from_chunks(scale * o, q.shape[1], reverse, _output_dtype(q, k, v))
+    A, gates = _intra_scores(x.q, x.k, x.g)
+    h, ht = _state_scan(_decayed(x.k, gates.gr).mT @ x.v, gates.gl, x.h0)
+    o = _decayed(x.q, gates.gc) @ h
+    _batched(o).baddbmm_(_batched(A), _batched(x.v))
+    o = _from_chunks(o.mul_(scale), q.shape[1], reverse, _output_dtype(q, k, v))
     state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
-    if not output_final_state:
-        return o, q.new_empty(0, dtype=state_dtype)
-    return o, states[:, :, -1].to(state_dtype).clone(memory_format=torch.contiguous_format)
+    return o, (_fresh(ht, state_dtype) if output_final_state else q.new_empty(0, dtype=state_dtype))
 
 
+@torch.no_grad()
 def _chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     x = _prepare(q, k, v, g, g_gamma, initial_state, reverse)
     T = q.shape[1]
-    b_do = _to_chunks(do.to(x.q.dtype), x.q.shape[2], reverse)
-    states = _chunk_states(x)
-    dhs = _state_grads(x, b_do, dht, scale)
-    h, dh = states[:, :, :-1], dhs[:, :, 1:]  # entering each chunk / gradient leaving it
-    qd, kd = x.gates.gc.exp(), x.gates.gr.exp()  # decay from the chunk start / to its end
-
+    b_do = _to_chunks(do, x.q.shape[2], reverse, x.q.dtype)
     with_dg = g is not None or g_gamma is not None
-    dA = scale * (b_do @ x.v.mT)  # only read on and below the diagonal
-    dq, dk, dgate = _intra_grads(x.q, x.k, x.gates.g, dA, with_dg)
-    dq_h = scale * (b_do @ h.mT) * qd  # through the state entering the chunk
-    dk_h = (x.v @ dh.mT) * kd  # through the state leaving it
-    A = _intra_scores(x.q, x.k, x.gates.g)
-    dv = scale * (A.mT @ b_do) + (x.k * kd) @ dh
-    if with_dg:
-        dgate = dgate + _inter_gate_grad(x, dq_h, dk_h, h, dh)
-    dh0 = q.new_empty(0) if initial_state is None else dhs[:, :, 0].to(initial_state.dtype).contiguous()
+    intra = _intra_grads(x.q, x.k, x.g, (b_do @ x.v.mT).mul_(scale), with_dg)
+
+    gates = intra.gates
+    qd, kd = gates.gc.exp(), gates.gr.exp()  # decay from the chunk start / to its end
+    k_out = kd * x.k  # decayed to the chunk end
+    h, _ = _state_scan(k_out.mT @ x.v, gates.gl, x.h0)  # entering each chunk
+    dht = torch.zeros_like(x.h0) if dht is None else dht
+    dh, dh0 = _state_scan((qd * x.q).mT @ (scale * b_do), gates.gl, dht, reverse=True)  # leaving it
+
+    dq_h = (b_do @ h.mT).mul_(qd).mul_(scale)  # through the state entering the chunk
+    dk_h = (x.v @ dh.mT).mul_(kd)  # through the state leaving it
+    dv = k_out @ dh
+    _batched(dv).baddbmm_(_batched(intra.A.mT), _batched(b_do), alpha=scale)
+    dgate = _gate_grad(x.q * dq_h, x.k * dk_h, h, dh, intra) if with_dg else None
     dg, dg_gamma = _split_gate_grad(dgate, T, reverse, q, g, g_gamma)
     return (
-        _from_chunks(dq + dq_h, T, reverse, q.dtype),
-        _from_chunks(dk + dk_h, T, reverse, k.dtype),
+        _from_chunks(intra.dq.add_(dq_h), T, reverse, q.dtype),
+        _from_chunks(intra.dk.add_(dk_h), T, reverse, k.dtype),
         _from_chunks(dv, T, reverse, v.dtype),
         dg,
         dg_gamma,
-        dh0,
+        q.new_empty(0) if initial_state is None else _fresh(dh0, initial_state.dtype),
     )
 
 
-def _inter_gate_grad(x: _Chunked, dq_h, dk_h, h, dh) -> Tensor:
-    """Part of dg through the chunk-level decays, [B, H, NT, BT, Kg].
+def _gate_grad(d_gc: Tensor, d_gr: Tensor, h: Tensor, dh: Tensor, intra: _IntraGrads) -> Tensor:
+    """Gradient w.r.t. the log gates of every chunk, [B, H, NT, BT, Kg].
 
-    dg_t = exp(g_t) <dH_t, S_{t-1}> (summed over V), with dH_t the gradient w.r.t. S_t. The
-    in-chunk pairs are ``_intra_grads``'; the rest goes through the states entering and leaving
-    the chunk: sum_{i >= t} q_i dq_i^h + sum_{j < t} k_j dk_j^h + exp(gl) <h, dh>, each of whose
-    terms carries exp(g_t).
+    dg_t = exp(g_t) <dH_t, S_{t-1}> (summed over V), with dH_t the gradient w.r.t. S_t. Beside
+    the in-chunk pairs (``intra``) it goes through the states entering and leaving the chunk,
+    as q dq^h = d_gc through exp(gc), k dk^h = d_gr through exp(gr), and exp(gl) <h, dh> through
+    gl = gc[BT - 1]; every one of their terms carries exp(g_t).
     """
-    q_dq, k_dk = x.q * dq_h, x.k * dk_h
-    h_dh = (h * dh).sum(-1).unsqueeze(-2)  # [..., 1, K]
-    if x.gates.g.shape[-1] == 1:
-        q_dq, k_dk, h_dh = (t.sum(-1, keepdim=True) for t in (q_dq, k_dk, h_dh))
-    L = _tri(BT, q_dq)
-    return L.mT @ q_dq + L.tril(-1) @ k_dk + x.gates.gl.exp() * h_dh
+    h_dh = torch.linalg.vecdot(h, dh).unsqueeze(-2)  # [..., 1, K]
+    if intra.gates.gc.shape[-1] == 1:
+        d_gc, d_gr, h_dh = (t.sum(-1, keepdim=True) for t in (d_gc, d_gr, h_dh))
+    d_gc[..., -1:, :].addcmul_(intra.gates.gl.exp(), h_dh)
+    dg = _block_scan_grad(d_gc, d_gr, intra.level_grads)
+    return dg if intra.dg is None else dg.add_(intra.dg)
 
 
 def _split_gate_grad(dgate, T, reverse, q, g, g_gamma) -> tuple[Tensor, Tensor]:

@@ -217,6 +217,63 @@ def test_positive_log_gates(gate):
     check_grads(inputs, 1e-5)
 
 
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+@pytest.mark.parametrize("log_gate", [-20.0, -100.0])
+def test_strong_decay_every_step(gate, log_gate):
+    # the same hard decay at every step and key: every block prefix and suffix of the vector path
+    # underflows beyond a few steps (exp(-100) is already subnormal in fp32), which may only drop
+    # terms that are smaller still
+    inputs = make_inputs(gate, B=1, T=200, H=2, K=8, V=4, dtype=torch.float32,
+                         g_fn=lambda shape: torch.full(shape, log_gate, dtype=torch.float64))
+    check_grads(inputs, 1e-5)
+
+
+def test_vector_gate_mixed_decay_keys():
+    # half the keys forget at once, half barely: the decays of different keys must not mix
+    def g_fn(shape):
+        g = torch.full(shape, -1e-3, dtype=torch.float64)
+        g[..., ::2] = -20.0
+        return g
+
+    check_grads(make_inputs("vector", B=1, T=300, H=1, K=6, V=3, dtype=torch.float32, g_fn=g_fn), 1e-5)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+def test_soft_decay_after_hard(gate):
+    # 8 steps of log-gate ~ -200, then 8 of ~ -0.05, in turn: spans of soft steps that follow hard
+    # ones must be summed on their own; as a difference of prefix sums that include the hard
+    # steps they would carry an error of ~1e3 * eps (a mutation doing that for the block suffixes
+    # fails here)
+    def g_fn(shape):
+        soft = (torch.arange(shape[1]) - 4) % 16 >= 8
+        hard = -200 * (1 + torch.rand(shape, dtype=torch.float64))
+        return torch.where(soft.view(1, -1, *[1] * (len(shape) - 2)), hard / 4000, hard)
+
+    check_grads(make_inputs(gate, B=1, T=256, H=2, K=4, V=4, dtype=torch.float32, g_fn=g_fn), 1e-5)
+
+
+@pytest.mark.parametrize("T", [2, 3, 15, 17, 33, 100, 127, 129])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_vector_gate_partial_blocks(T, reverse):
+    # T not a multiple of the split blocks (16, 32, 64): padded steps must stay inert at every level
+    check_grads(make_inputs("vector", T=T, K=3), 1e-10, reverse=reverse)
+
+
+def test_split_scores_match_pairwise():
+    # the vector-gate A, level by level, against the direct [BT, BT, K] definition
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 3, ops.BT, 5, dtype=torch.float64), torch.randn(2, 3, ops.BT, 5, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(2, 3, ops.BT, 5, dtype=torch.float64)) * 4
+    A, gates = ops._intra_scores(q, k, g)
+    gc = g.cumsum(-2)
+    span = gc[..., :, None, :] - gc[..., None, :, :]  # fine in fp64 at this size
+    causal = torch.ones(ops.BT, ops.BT, dtype=torch.bool).tril()[:, :, None]
+    ref = (q[..., :, None, :] * k[..., None, :, :] * span.exp() * causal).sum(-1)
+    torch.testing.assert_close(A, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gates.gc, gc, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gates.gr, gc[..., -1:, :] - gc, rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------
 # op registrations
 # ----------------------------------------------------------------------------------------------
