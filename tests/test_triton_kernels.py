@@ -243,6 +243,45 @@ def test_steep_gates_long_sequence():
 
 
 @needs_kernels
+@pytest.mark.parametrize("final_state", [False, True], ids=["no_ht", "ht"])
+@pytest.mark.parametrize("gate", ["scalar", "const"])
+def test_scan_narrow_value_tiles(gate, final_state):
+    """Regression: the fused forward at BV = 32 with 8 warps (default_config's value tile when B * H
+    leaves SMs idle), K = V = 64, bf16, over two chunks. Triton 3.6 on sm_90 miscompiled the
+    inter-chunk term SCALE q 2^G S of this scan for scalar and constant gates (o wrong by ~100% from
+    the second chunk on, ht exact; at other shapes an illegal memory access) until the state's
+    conversion to the dot dtype was hoisted to the top of the chunk loop (gla_chunk_scan)."""
+    case = Case(gate, T=128, K=64, V=64, dtype=bf16, ht=final_state)
+    q, k, v, g, g_gamma, h0, _, _ = _make_inputs(case, DEVICE)
+    tiles = triton_chunk.TileConfig(block_v=32, num_warps=8, num_stages=2)
+    config = dataclasses.replace(triton_chunk.default_config(1, 128, 1, 64, 64, bf16, False, q.device), block_t=64,
+                                 scan=tiles, states=tiles, dual=tiles)
+    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, 0.125, final_state, False, config=config)
+    with torch.no_grad():
+        ref_o, ref_ht = naive_recurrent_gla(*(None if x is None else x.double() for x in (q, k, v, g)),
+                                            g_gamma=None if g_gamma is None else g_gamma.double(), scale=0.125,
+                                            output_final_state=True)
+    _assert_close("o (first chunk)", o[:, :64], ref_o[:, :64], TOL[bf16])
+    _assert_close("o (second chunk)", o[:, 64:], ref_o[:, 64:], TOL[bf16])
+    if final_state:
+        _assert_close("ht", ht, ref_ht, TOL[bf16])
+
+
+@needs_kernels
+@pytest.mark.parametrize("gate", ["vector", "scalar"])
+def test_steep_gates_final_state_exact(gate):
+    """g = -20 (fp32): the final state is k_T^T v_T up to e^-20. The decay of the last step to the chunk
+    end is 2^0 exactly only if G_L - G is summed as such (gla_common._gla_cumsum); as a difference of
+    two rounded sums of |G| ~ 1850 it was 1 +- 2e-4 (the error test_steep_gates_long_sequence saw)."""
+    B, T, H, K, V = 1, 128, 2, 16, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen).to(DEVICE) for D in (K, K, V))
+    g = torch.full((B, T, H, K) if gate == "vector" else (B, T, H), -20.0, device=DEVICE)
+    _, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, 0.125, True, False)
+    _assert_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
+
+
+@needs_kernels
 def test_supports_reports_limits():
     q = torch.randn(1, 4, 2, 16, device=DEVICE)
     assert triton_chunk.triton_supports(q, q, q) is None
