@@ -23,10 +23,9 @@ verify_rtol: float = 1e-3
 # implementation (the fallback every unsupported case takes anyway).
 triton_kernels: bool = True
 
-# Gate kinds the Triton kernels run; the others take the PyTorch implementation. Only the
-# vector gate is validated on the H100 so far: the scalar, constant and gate-free paths gave
-# wrong outputs there at B*H*cdiv(V, 64) < 132 (see benchmarks/results/h100-kernels.md).
-triton_gates: tuple = ("vector",)
+# Gate kinds the Triton kernels run; the others take the PyTorch implementation. All four pass
+# the kernel tests on an H100 (torch 2.11, triton 3.6; benchmarks/results/h100-2026-11-22.md).
+triton_gates: tuple = ("vector", "scalar", "constant", "none")
 
 
 @contextlib.contextmanager

@@ -41,8 +41,8 @@ def test_unsupported_dtype_falls_back():
 def test_untrusted_gate_kinds_fall_back():
     q, k, v, g = inputs()
     gs = g[..., 0]
-    assert "scalar gates" in cuda_dispatch._unsupported(q, k, v, gs, None, None)
-    with gla_inductor.config.patch(triton_gates=("vector", "scalar")):
-        assert cuda_dispatch._unsupported(q, k, v, gs, None, None) is None
-    o, _ = cuda_dispatch.chunk_fwd_cuda(q, k, v, gs, None, None, 0.3, False, False)
+    assert cuda_dispatch._unsupported(q, k, v, gs, None, None) is None
+    with gla_inductor.config.patch(triton_gates=("vector",)):
+        assert "scalar gates" in cuda_dispatch._unsupported(q, k, v, gs, None, None)
+        o, _ = cuda_dispatch.chunk_fwd_cuda(q, k, v, gs, None, None, 0.3, False, False)
     assert torch.equal(o, ops._chunk_fwd_torch(q, k, v, gs, None, None, 0.3, False, False)[0])
