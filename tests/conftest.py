@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # The spelling zoo and helpers live beside the tests.
@@ -12,13 +13,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny tensors: intra-op threads only add synchronisation, and on a busy
+    2-core runner they made such a module ~2x slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False, help="run long fuzzing and timing runs")
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")

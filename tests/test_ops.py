@@ -11,15 +11,7 @@ from gla_inductor.reference import naive_recurrent_gla
 GATES = ["none", "scalar", "vector", "constant"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # the tensors here are tiny: intra-op threads only add synchronisation, and on a busy
-    # 2-core runner they made this file ~2x slower
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make_inputs(gate, B=2, T=65, H=2, K=5, V=6, dtype=torch.float64, with_h0=True, g_fn=None, seed=0):
     """Keyword inputs of chunk_gla; g_fn(shape) draws the log gate (default logsigmoid of a normal)."""
