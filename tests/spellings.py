@@ -329,3 +329,30 @@ def make_fused_qkv(dtype=torch.float32):
 
 
 SPELLINGS.append(Spelling("loop_fused_qkv", loop_fused_qkv, make_fused_qkv, 1))
+
+
+def near_time_reversed_output(q, k, v, g):
+    """The read of step t written to o[:, T-1-t]: not the GLA output order."""
+    n = q.shape[1]
+    S = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    o = torch.zeros_like(v)
+    for t in range(n):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        o[:, n - 1 - t] = (q[:, t, :, :, None] * S).sum(-2)
+    return o
+
+
+def near_shuffled_stack(q, k, v, g):
+    """Outputs stacked in an order that is not time order."""
+    S = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs[1:] + outs[:1], dim=1)
+
+
+NEAR_MISSES += [
+    Spelling("near_time_reversed_output", near_time_reversed_output, bthd("vector"), 0),
+    Spelling("near_shuffled_stack", near_shuffled_stack, bthd("vector"), 0),
+]

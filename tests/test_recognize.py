@@ -85,6 +85,8 @@ def test_near_miss_reasons_are_reported():
     assert any("not causal" in r for r in reasons["near_non_causal"])
     assert any("not causal" in r for r in reasons["near_shifted_mask"])
     assert any("not read into an assembled output" in r for r in reasons["near_normalized"])
+    assert any("time order" in r for r in reasons["near_time_reversed_output"])
+    assert any("time order" in r for r in reasons["near_shuffled_stack"])
 
 
 def test_explain_report():

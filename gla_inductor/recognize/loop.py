@@ -274,6 +274,7 @@ def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly]) -> M
         reverse = True
     else:
         raise Reject(f"steps read time indices {taus[:6]}..., not consecutive")
+    _check_time_order(asm, reads, {st.node: tau for st, tau in zip(chain, taus)})
     for key in ("q", "k", "v"):
         sigs = {lf[key][0] for lf in lifted if lf[key] is not None}
         if len(sigs) != 1:
@@ -287,6 +288,15 @@ def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly]) -> M
         if size != n:
             raise Reject(f"the loop runs {n} steps over a time axis of size {size}")
     return _build_match(an, chain, reads, asm, roles, lifted[-1], reverse)
+
+
+def _check_time_order(asm: Assembly, reads: dict, tau_of: dict) -> None:
+    """Output position i along the assembled time axis must hold the read of step time i."""
+    by_element = {r.node: tau_of[r.state] for r in reads.values()}
+    taus = [by_element[e] for e in asm.elements]
+    positions = asm.positions if asm.kind == "setitem" else list(range(len(asm.elements)))
+    if taus != list(positions):
+        raise Reject("the outputs are not assembled in time order (o[t] must hold step t)")
 
 
 def _check_state_free(chain: list[Step]) -> None:
