@@ -12,6 +12,7 @@ returns a ``Match`` whose ``apply`` inserts the GLA op. Anything unproven is a n
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -500,8 +501,8 @@ def _positive(node: fx.Node) -> bool:
 def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
     st_last = chain[-1]
     head = chain[0]
-    decay = last["decay"] if last["decay"] is not None else None
-    gate_kind, gate_letters = _gate_kind(decay, last)
+    decay = last["decay"]
+    gate_kind, gate_letters = _gate_kind(decay)
     out_letters = _assembly_letters(asm, reads, st_last, roles)
     state_letters = "".join(roles.letter(p) if v is not None else "1" for p, v in enumerate(st_last.av.out))
     scale = last["scale"]
@@ -510,8 +511,8 @@ def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
     q_layout = last["q"][1].factors[0].letters if last["q"][1].factors else ""
 
     def apply(txn) -> None:
+        _check_before(an, asm, _dependencies(last, head))
         anchor = _anchor(an, asm)
-        _check_before(an, anchor, _dependencies(last, head))
         em = Emitter(txn, anchor, sizes)
         op, o, ht = _emit_op(em, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse)
         o_user = _cast(em, em.relayout(o, "bthv", out_letters), asm.result)
@@ -531,21 +532,19 @@ def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
     )
 
 
-def _gate_kind(decay, last):
+def _gate_kind(decay):
     if decay is None:
         return "none", ""
     coef, terms = decay[1]
     letters = set()
-    timed = False
     for _, lfs, _ in terms:
         for lf in lfs:
             letters |= set(lf.letters) - {"1"}
-    timed = "t" in letters
     if not terms and coef == 1.0:
         return "none", ""
     if "k" in letters:
         return "vector", "bthk"
-    if timed or "b" in letters:
+    if "t" in letters or "b" in letters:
         return "scalar", "bth"
     return "constant", "h"
 
@@ -613,8 +612,6 @@ def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
     if total is None:
         total = em.call("new_zeros", like, shape, dtype=torch.float32, op="call_method")
     if coef != 1.0:
-        import math
-
         total = em.call(torch.add, total, math.log(coef))
     return em.expand_to(em.as_float32(total), letters)
 
@@ -644,9 +641,11 @@ def _dependencies(last, head) -> list:
     return deps
 
 
-def _check_before(an: Analyzer, anchor: fx.Node, deps: list) -> None:
-    pos = {n: i for i, n in enumerate(an.graph.nodes)}
-    late = [d.name for d in deps if pos[d] >= pos[anchor]]
+def _check_before(an: Analyzer, asm: Assembly, deps: list) -> None:
+    """Every input of the op precedes the assembled output (positions of the analyzed graph;
+    inserting other matches' nodes does not reorder these)."""
+    last = max(asm.setitems, key=lambda n: an.order[n]) if asm.kind == "setitem" else asm.result
+    late = [d.name for d in deps if an.order[d] >= an.order[last]]
     if late:
         raise Reject(f"inputs {late} are computed after the output is used")
 

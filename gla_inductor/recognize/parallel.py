@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .algebra import AV, Analyzer, Factor, factor_vars, mono_vars
-from .consts import example_value
+from .consts import _hint, example_value
 from .emit import Emitter, Group, LFactor, sizes_from
 from .loop import Reject, _cast
 from .match import Match, NearMiss
@@ -140,8 +140,8 @@ def _analyze(an: Analyzer, node: fx.Node, av: AV) -> Match:
 
 
 def _mask_product(an: Analyzer, masks: list, r: Roles) -> Optional[torch.Tensor]:
-    ti = _hint(an.sizes[r.i])
-    tj = _hint(an.sizes[r.j])
+    ti = int(_hint(an.sizes[r.i]))
+    tj = int(_hint(an.sizes[r.j]))
     if ti * tj > (1 << 26):
         return None
     total = torch.ones(ti, tj)
@@ -177,12 +177,6 @@ def _mask_product(an: Analyzer, masks: list, r: Roles) -> Optional[torch.Tensor]
             val = val[None, :]
         total = total * val
     return total
-
-
-def _hint(s):
-    from .consts import _hint as h
-
-    return int(h(s))
 
 
 @dataclass
