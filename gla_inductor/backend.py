@@ -7,15 +7,14 @@ that goes wrong inside the rewrite is logged and the graph is compiled unchanged
 
 from __future__ import annotations
 
-import functools
 import logging
-import pathlib
 from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 
 from . import config
+from .cache_key import cache_key_pass
 from .recognize import RewriteResult, rewrite_graph
 from .recognize.match import NearMiss
 
@@ -33,6 +32,8 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
     for listen in _listeners:
         listen(gm, result)
     from torch._inductor.compile_fx import compile_fx
+
+    from . import lowerings  # noqa: F401  (registers the GLA ops' lowerings on first use)
 
     return compile_fx(gm, example_inputs, config_patches=config_patches(**kwargs))
 
@@ -102,28 +103,5 @@ def config_patches(mode: str | None = None, options: dict | None = None, dynamic
 
         patches.update(list_mode_options(mode, dynamic))
     patches.update(options or {})
-    patches["post_grad_custom_post_pass"] = _cache_key_pass()
+    patches["post_grad_custom_post_pass"] = cache_key_pass()
     return patches
-
-
-@functools.cache
-def _cache_key_pass():
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    root = pathlib.Path(__file__).parent
-    files = tuple(sorted(str(p) for p in root.rglob("*") if p.suffix in (".py", ".jinja")))
-
-    class GLACacheKey(CustomGraphPass):
-        """Does nothing to the graph. Its uuid hashes every source and template file of the
-        package, so Inductor's FX-graph and AOTAutograd caches never serve code compiled
-        by another version of our lowerings or templates (which no cache key covers)."""
-
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            return None
-
-        def uuid(self) -> bytes:
-            return get_hash_for_files(self.files)
-
-    key = GLACacheKey()
-    key.files = files
-    return key

@@ -26,12 +26,28 @@ chunk: g[j+1] + ... + g[i] for j <= i (Kg == 1), the chunk prefix gc[i], suffix 
 ... + g[BT-1] or gl, or for a vector gate the prefix g[m] + ... + g[i] and suffix g[j+1] + ... +
 g[m-1] of a pair across the cut m of a block, whose product is the pair's decay. For g <= 0 they
 are <= 0, so no exponential can overflow however long T is (one that underflows only drops
-terms smaller still); for g > 0 they grow by at most exp(BT * max g), within range whenever the
-naive recurrence is. Pairs above the diagonal are masked to -inf *before* exp, or never formed,
-so they can produce neither inf nor NaN. Spans are summed directly (a cumsum, or the tree sums
-of ``_block_scan``), never as a difference of two long prefix sums, whose rounding error
-(|sum| * eps) would otherwise dominate when gates are strongly negative. Likewise dg[t] is summed
-from the terms that go through exp(g[t]), never as a difference of larger sums.
+terms smaller still); for g > 0 they grow by at most exp(BT * max g). Each is a factor of a term
+the time loop forms too (exp(span) k_j v_j, exp(gc[i]) h), so it stays in range while the loop's
+state does; the exceptions need a span of one chunk to exceed fp32's exp range (~88, a mean gate
+above 1.38 over 64 steps) while the loop stays finite, i.e. exp(gc[i]) with a state h entering
+the chunk below exp(-88), or a vector-gate cut whose prefix decays that much and whose suffix
+grows as much (tests/test_bad_input.py checks g up to 1 per step, past the loop's own overflow).
+Pairs above the diagonal are masked to -inf *before* exp, or never formed, so they can produce
+neither inf nor NaN. Spans are summed directly (a cumsum, or the tree sums of ``_block_scan``),
+never as a difference of two long prefix sums, whose rounding error (|sum| * eps) would otherwise
+dominate when gates are strongly negative (and a log gate of -inf, a reset, would give -inf -
+(-inf) = NaN). Likewise dg[t] is summed from the terms that go through exp(g[t]), never as a
+difference of larger sums.
+
+NOTE:[GLA non-finite inputs] A NaN or Inf in k_t, v_t or g_t reaches o from step t on, one in q_t
+only o_t, as in the time loop (tests/test_bad_input.py): NaN exactly where the loop has NaN; for
+Inf the same non-finite entries, though which are NaN rather than +-Inf may differ (the chunked
+form forms q_i . k_j before multiplying by v_j). Two products would leak such a value to the
+steps before t of its chunk, as 0 * inf = NaN: q k^T times the decay matrix of a scalar gate,
+whose zeros above the diagonal do not mask a non-finite k_j, and A @ v for a non-finite v_j.
+Both are redone in ``_add_intra_nonfinite``, only when the final state is not finite, which
+every non-finite k, v, gate or initial state makes it (a NaN or Inf in a chunk's update survives
+every later decay and sum). Gradients of non-finite inputs are not specified.
 """
 
 from typing import Callable, Iterator, NamedTuple, Optional
@@ -388,6 +404,28 @@ def _fresh(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype).clone(memory_format=torch.contiguous_format)
 
 
+def _add_intra_nonfinite(o: Tensor, A: Tensor, v: Tensor) -> None:
+    """o += A @ v chunk by chunk, for inputs that are not all finite. See NOTE:[GLA non-finite inputs].
+
+    Step j feeds rows i >= j only, but the matmul multiplies the zeros above the diagonal by
+    k_j (in A, scalar gates) and v_j all the same: masking A again clears the first, and chunks
+    holding a non-finite v take a masked elementwise product instead of the matmul.
+    """
+    causal = torch.ones(BT, BT, dtype=torch.bool, device=A.device).tril()
+    A.masked_fill_(~causal, 0)
+    bad = ~torch.isfinite(v).flatten(-2).all(-1)  # [B, H, NT]: chunks with a non-finite v
+    good = bad.logical_not()
+    o[good] += A[good] @ v[good]
+    idx = bad.nonzero(as_tuple=True)
+    per_slice = max(1, 2**24 // (BT * BT * v.shape[-1]))  # bounds the [n, BT, BT, V] products
+    parts = [
+        torch.where(causal[:, :, None], a[..., None] * w[..., None, :, :], 0).sum(-2)
+        for a, w in zip(A[idx].split(per_slice), v[idx].split(per_slice))
+    ]
+    if parts:
+        o.index_put_(idx, torch.cat(parts), accumulate=True)
+
+
 # no_grad: the ops carry their own backward, and the out= and in-place writes into views below
 # would refuse inputs that require grad when called outside the op
 @torch.no_grad()
@@ -396,7 +434,12 @@ def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_sta
     A, gates = _intra_scores(x.q, x.k, x.g)
     h, ht = _state_scan(_decayed(x.k, gates.gr).mT @ x.v, gates.gl, x.h0)
     o = _decayed(x.q, gates.gc) @ h
-    _batched(o).baddbmm_(_batched(A), _batched(x.v))
+    # a non-finite k, v, gate or initial state always reaches the final state (see NOTE:[GLA
+    # non-finite inputs]): this one small check keeps the finite path as it is
+    if torch.isfinite(ht).all():
+        _batched(o).baddbmm_(_batched(A), _batched(x.v))
+    else:
+        _add_intra_nonfinite(o, A, x.v)
     o = _from_chunks(o.mul_(scale), q.shape[1], reverse, _output_dtype(q, k, v))
     state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
     return o, (_fresh(ht, state_dtype) if output_final_state else q.new_empty(0, dtype=state_dtype))
@@ -485,8 +528,16 @@ def chunk_fwd(
     return impl(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
 
 
+def _register_lowerings() -> None:
+    """Inductor lowers our ops with ``gla_inductor.lowerings``. A graph reaches Inductor only after
+    its ops were traced through their fake implementations, so these import the lowerings (loading
+    Inductor with the package itself would slow every ``import gla_inductor``)."""
+    from . import lowerings  # noqa: F401
+
+
 @chunk_fwd.register_fake
 def _chunk_fwd_fake(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
+    _register_lowerings()
     B, T, H, K = q.shape
     V = v.shape[-1]
     state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
@@ -520,6 +571,7 @@ def chunk_bwd(
 
 @chunk_bwd.register_fake
 def _chunk_bwd_fake(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
+    _register_lowerings()
     def grad_like(x):
         # new_empty, not empty_like: the real op returns contiguous tensors whatever x's strides
         return q.new_empty(0) if x is None else x.new_empty(x.shape)
@@ -604,8 +656,14 @@ def _validate_inputs(q, k, v, g, g_gamma, initial_state) -> None:
         raise ValueError("chunk_gla: got both g and g_gamma; pass at most one gate")
     if g is not None and g.dim() == 3:
         _check_shape("g", g, q, "[B, T, H]", (B, T, H))
-    elif g is not None:
+    elif g is not None and g.dim() == 4:
         _check_shape("g", g, q, "[B, T, H, K]", (B, T, H, K))
+    elif g is not None:
+        raise ValueError(
+            f"chunk_gla: g has shape {tuple(g.shape)} but q has shape {tuple(q.shape)}; expected g to be "
+            f"[B, T, H, K] = {_shape_str((B, T, H, K))} (vector gate) or [B, T, H] = {_shape_str((B, T, H))} "
+            "(scalar gate)"
+        )
     if g_gamma is not None:
         _check_shape("g_gamma", g_gamma, q, "[H]", (H,))
     if initial_state is not None:

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .cuda_dispatch import gate_kind
 from .templates.standalone import OUT, render
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "chunk_fwd_triton",
     "chunk_grid",
     "default_config",
+    "dqkg_block_k",
+    "kernel_options",
     "scan_grid",
     "triton_supports",
 ]
@@ -180,6 +183,35 @@ def _launch(template: str, options: dict, tensors: dict[str, Optional[Tensor]], 
     kernel(grid, present, out, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scale: float, reverse: bool,
+                   interpreting: bool) -> dict:
+    """The options every GLA chunk kernel of one call shares (jinja variables and constexprs).
+
+    ``gate`` is "vector", "scalar", "constant" or "none"; ``dtype`` the promoted q/k/v dtype."""
+    # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
+    on_bf16_cores = dtype == torch.bfloat16 and not interpreting
+    f32_precision = cfg.f32_precision or (
+        "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32")
+    return dict(
+        BT=cfg.block_t,
+        BK=max(16, _pow2(K)),
+        USE_GK=gate == "vector",
+        USE_G=gate == "scalar",
+        USE_G_GAMMA=gate == "constant",
+        REVERSE=bool(reverse),
+        SCALE=float(scale),
+        DOT_DTYPE="tl.bfloat16" if on_bf16_cores else "tl.float32",
+        F32_PRECISION=repr(f32_precision),  # options are code: a quoted string
+    )
+
+
+def dqkg_block_k(cfg: ChunkConfig, options: dict) -> int:
+    """K tile of gla_chunk_bwd_dqkg: a scalar or constant gate's dg sums over all keys, so one
+    program must see them all."""
+    vector_or_none = options["USE_GK"] or not (options["USE_G"] or options["USE_G_GAMMA"])
+    return cfg.dqkg.block_k if vector_or_none else options["BK"]
+
+
 class _Launcher:
     """Options shared by one forward or backward call, and its launches."""
 
@@ -190,21 +222,7 @@ class _Launcher:
         self.B, self.T, self.H, self.K = q.shape
         self.V = v.shape[-1]
         self.gates = dict(g=g, g_gamma=g_gamma)
-        # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
-        on_bf16_cores = q.dtype == torch.bfloat16 and not _interpreting()
-        f32_precision = cfg.f32_precision or (
-            "ieee" if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32")
-        self.options = dict(
-            BT=cfg.block_t,
-            BK=max(16, _pow2(self.K)),
-            USE_GK=g is not None and g.dim() == 4,
-            USE_G=g is not None and g.dim() == 3,
-            USE_G_GAMMA=g_gamma is not None,
-            REVERSE=bool(reverse),
-            SCALE=float(scale),
-            DOT_DTYPE="tl.bfloat16" if on_bf16_cores else "tl.float32",
-            F32_PRECISION=repr(f32_precision),  # options are code: a quoted string
-        )
+        self.options = kernel_options(cfg, q.dtype, self.K, gate_kind(g, g_gamma), scale, reverse, _interpreting())
 
     def states(self) -> Tensor:
         """An uninitialized [B, NT, H, K, V] per-chunk state buffer."""
@@ -228,9 +246,7 @@ class _Launcher:
 
     def dqkg(self, dq: Tensor, *, q, k, v, do, h, dh, dk, dg) -> None:
         tiles = self.cfg.dqkg
-        vector_or_none = self.options["USE_GK"] or not (self.options["USE_G"] or self.options["USE_G_GAMMA"])
-        # a scalar gate's dg sums over all keys, so one program must see them all
-        block_k = tiles.block_k if vector_or_none else self.options["BK"]
+        block_k = dqkg_block_k(self.cfg, self.options)
         options = dict(self.options, BK=block_k, BV=tiles.block_v)
         grid = chunk_grid(self.B, self.T, self.H, self.cfg.block_t, math.ceil(self.K / block_k))
         tensors = dict(q=q, k=k, v=v, **self.gates, do=do, h=h, dh=dh, dk=dk, dg=dg)

@@ -23,6 +23,27 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
+_SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def report_summary(request):
+    """add(text): print text and repeat it in the terminal summary, where it shows without -s
+    (the fuzzer's program counts)."""
+    lines = request.config.stash.setdefault(_SUMMARY, [])
+
+    def add(text: str) -> None:
+        print(text)
+        lines.append(text)
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for text in config.stash.get(_SUMMARY, []):
+        terminalreporter.write_line(text)
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False, help="run long fuzzing and timing runs")
 

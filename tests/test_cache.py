@@ -6,8 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import torch
+
 import gla_inductor
-from gla_inductor.backend import _cache_key_pass
+from gla_inductor.cache_key import cache_key_pass
 
 SCRIPT = r"""
 import json, sys, torch
@@ -48,8 +50,56 @@ def test_warm_cache_in_a_second_process(tmp_path):
 
 
 def test_cache_key_covers_sources_and_templates():
-    files = _cache_key_pass().files
+    files = cache_key_pass().files
     root = pathlib.Path(gla_inductor.__file__).parent
     want = {str(p) for p in root.rglob("*") if p.suffix in (".py", ".jinja")}
     assert want and set(files) == want
     assert any(f.endswith(".jinja") for f in files) or not list(root.rglob("*.jinja"))
+
+
+TEMPLATE_SCRIPT = r"""
+import json, os, sys, torch
+if not torch.cuda.is_available():  # Inductor's Triton on CPU tensors, under the interpreter
+    import torch._inductor.codegen.triton as codegen_triton, torch.utils._triton as utils_triton
+    utils_triton.triton_hash_with_backend = codegen_triton.triton_hash_with_backend = lambda: "interpreter"
+    torch._inductor.config.cpu_backend = "triton"
+import gla_inductor, gla_inductor.lowerings, gla_inductor.reference
+from torch._dynamo.utils import counters
+device = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 9, 2, 16, generator=gen).to(device) for _ in range(3))
+out = torch.compile(lambda q, k, v: gla_inductor.chunk_gla(q, k, v)[0], fullgraph=True)(q, k, v)
+ref = gla_inductor.reference.naive_recurrent_gla(q.double(), k.double(), v.double())[0]
+print(json.dumps({{"ratio": (out.double() * ref).sum().item() / (ref * ref).sum().item(),
+                  "file": gla_inductor.__file__, "fx_hit": counters["inductor"]["fxgraph_cache_hit"]}}))
+"""
+
+
+def test_template_change_invalidates_warm_caches(tmp_path):
+    """Compile through our templates, edit a template (the output doubled), compile again in a new
+    process with the warm cache: the new template runs, not the cached code of the old one."""
+    import shutil
+
+    package = tmp_path / "src" / "gla_inductor"
+    shutil.copytree(pathlib.Path(gla_inductor.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path / "src"))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+
+    def run_copy():
+        res = subprocess.run([sys.executable, "-c", TEMPLATE_SCRIPT.format()], env=env, capture_output=True,
+                             text=True, timeout=600, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first, again = run_copy(), run_copy()
+    assert first["file"].startswith(str(tmp_path)) and abs(first["ratio"] - 1) < 1e-4
+    assert again["fx_hit"] >= 1 and abs(again["ratio"] - 1) < 1e-4  # the cache works
+    scan = package / "templates" / "gla_chunk_scan.py.jinja"
+    source = scan.read_text()
+    anchor = "b_o = _gla_dot(b_x, b_sd, F32_PRECISION) + _gla_dot(b_A, b_w, F32_PRECISION)"
+    assert anchor in source
+    scan.write_text(source.replace(anchor, anchor + "\n        b_o = 2 * b_o"))
+    changed = run_copy()
+    assert abs(changed["ratio"] - 2) < 1e-4, changed

@@ -9,9 +9,9 @@ from torch._dynamo.testing import normalize_gm
 
 import gla_inductor
 from gla_inductor.backend import rewrite
-from spellings import SPELLINGS
+from spellings import DECODES, SPELLINGS
 
-BY_NAME = {s.name: s for s in SPELLINGS}
+BY_NAME = {s.name: s for s in SPELLINGS + DECODES}
 
 
 def rewritten_graph(name: str) -> str:
@@ -49,6 +49,221 @@ def post_grad_graphs(name: str) -> list:
 
 
 class TestRewrittenGraphs(expecttest.TestCase):
+    def test_decode_broadcast_copy(self):
+        self.assertExpectedInline(rewritten_graph("decode_broadcast_copy"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 4]", L_cache_: "f32[2, 3, 4, 5]", L_k_: "f32[2, 3, 4]", L_v_: "f32[2, 3, 5]", L_q_: "f32[2, 3, 4]"):
+        l_g_ = L_g_
+        l_cache_ = L_cache_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_q_ = L_q_
+
+        getitem_4: "f32[2, 1, 3, 4]" = l_q_[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  l_q_ = None
+        expand: "f32[2, 1, 3, 4]" = getitem_4.expand(-1, 1, -1, -1);  getitem_4 = None
+        getitem_5: "f32[2, 1, 3, 4]" = l_k_[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  l_k_ = None
+        expand_1: "f32[2, 1, 3, 4]" = getitem_5.expand(-1, 1, -1, -1);  getitem_5 = None
+        getitem_6: "f32[2, 1, 3, 5]" = l_v_[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  l_v_ = None
+        expand_2: "f32[2, 1, 3, 5]" = getitem_6.expand(-1, 1, -1, -1);  getitem_6 = None
+        getitem_7: "f32[2, 1, 3, 4]" = l_g_[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  l_g_ = None
+        fused_recurrent_default: "f32[2, 1, 3, 5]" = torch.ops.gla_inductor.fused_recurrent.default(expand, expand_1, expand_2, getitem_7, None, l_cache_, 1.0, False);  expand = expand_1 = expand_2 = getitem_7 = l_cache_ = None
+        squeeze: "f32[2, 3, 5]" = torch.squeeze(fused_recurrent_default, 1);  fused_recurrent_default = None
+
+        mul_3: "f32[2, 3, 5]" = squeeze * 0.5;  squeeze = None
+        return (mul_3,)
+""")
+
+    def test_decode_bmm_flat(self):
+        self.assertExpectedInline(rewritten_graph("decode_bmm_flat"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[6, 4]", L_cache_: "f32[6, 4, 5]", L_k_: "f32[6, 4]", L_v_: "f32[6, 5]", L_q_: "f32[6, 4]"):
+        l_g_ = L_g_
+        l_cache_ = L_cache_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_q_ = L_q_
+
+        getitem: "f32[6, 1, 1, 4]" = l_q_[(slice(None, None, None), None, None, slice(None, None, None))];  l_q_ = None
+        expand: "f32[6, 1, 1, 4]" = getitem.expand(-1, 1, 1, -1);  getitem = None
+        getitem_1: "f32[6, 1, 1, 4]" = l_k_[(slice(None, None, None), None, None, slice(None, None, None))];  l_k_ = None
+        expand_1: "f32[6, 1, 1, 4]" = getitem_1.expand(-1, 1, 1, -1);  getitem_1 = None
+        getitem_2: "f32[6, 1, 1, 5]" = l_v_[(slice(None, None, None), None, None, slice(None, None, None))];  l_v_ = None
+        expand_2: "f32[6, 1, 1, 5]" = getitem_2.expand(-1, 1, 1, -1);  getitem_2 = None
+        getitem_3: "f32[6, 1, 1, 4]" = l_g_[(slice(None, None, None), None, None, slice(None, None, None))];  l_g_ = None
+        getitem_4: "f32[6, 1, 4, 5]" = l_cache_[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  l_cache_ = None
+        fused_recurrent_default: "f32[6, 1, 1, 5]" = torch.ops.gla_inductor.fused_recurrent.default(expand, expand_1, expand_2, getitem_3, None, getitem_4, 1.0, False);  expand = expand_1 = expand_2 = getitem_3 = getitem_4 = None
+        squeeze_1: "f32[6, 1, 5]" = torch.squeeze(fused_recurrent_default, 2);  fused_recurrent_default = None
+        squeeze_2: "f32[6, 5]" = torch.squeeze(squeeze_1, 1);  squeeze_1 = None
+        getitem_5: "f32[6, 1, 5]" = squeeze_2[(slice(None, None, None), None, slice(None, None, None))];  squeeze_2 = None
+
+        squeeze: "f32[6, 5]" = getitem_5.squeeze(1);  getitem_5 = None
+        return (squeeze,)
+""")
+
+    def test_decode_mamba2(self):
+        self.assertExpectedInline(rewritten_graph("decode_mamba2"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 4, 5]", L_Bg_: "f32[2, 2, 4]", L_dt_: "f32[2, 4]", L_A_log_: "f32[4]", L_cache_: "f32[2, 4, 5, 4]", L_Cg_: "f32[2, 2, 4]"):
+        l_x_ = L_x_
+        l_bg_ = L_Bg_
+        l_dt_ = L_dt_
+        l_a_log_ = L_A_log_
+        l_cache_ = L_cache_
+        l_cg_ = L_Cg_
+
+        getitem: "f32[2, 4, 1]" = l_dt_[(Ellipsis, None)];  l_dt_ = None
+        expand: "f32[2, 4, 5]" = getitem.expand(-1, -1, 5);  getitem = None
+        softplus: "f32[2, 4, 5]" = torch._C._nn.softplus(expand);  expand = None
+        dt: "f32[2, 4, 5, 1]" = softplus[(Ellipsis, None)]
+
+        float_1: "f32[4]" = l_a_log_.float();  l_a_log_ = None
+        exp: "f32[4]" = torch.exp(float_1);  float_1 = None
+        neg: "f32[4]" = -exp;  exp = None
+        getitem_2: "f32[4, 1, 1]" = neg[(slice(None, None, None), None, None)];  neg = None
+        A: "f32[4, 5, 4]" = getitem_2.expand(-1, 5, 4);  getitem_2 = None
+
+        mul: "f32[2, 4, 5, 4]" = dt * A;  dt = A = None
+        dA: "f32[2, 4, 5, 4]" = torch.exp(mul);  mul = None
+
+        getitem_4: "f32[2, 1, 2, 1, 4]" = l_cg_[(slice(None, None, None), None, slice(None, None, None), None, slice(None, None, None))];  l_cg_ = None
+        expand_4: "f32[2, 1, 2, 2, 4]" = getitem_4.expand(-1, 1, -1, 2, -1);  getitem_4 = None
+        reshape_4: "f32[2, 1, 4, 4]" = expand_4.reshape(2, 1, 4, 4);  expand_4 = None
+        getitem_5: "f32[2, 1, 2, 1, 4]" = l_bg_[(slice(None, None, None), None, slice(None, None, None), None, slice(None, None, None))];  l_bg_ = None
+        expand_5: "f32[2, 1, 2, 2, 4]" = getitem_5.expand(-1, 1, -1, 2, -1);  getitem_5 = None
+        reshape_5: "f32[2, 1, 4, 4]" = expand_5.reshape(2, 1, 4, 4);  expand_5 = None
+        select: "f32[2, 4]" = torch.select(softplus, 2, 0);  softplus = None
+        reshape_6: "f32[2, 2, 2]" = select.reshape(2, 2, 2);  select = None
+        reshape_7: "f32[2, 2, 2, 5]" = l_x_.reshape(2, 2, 2, 5)
+        einsum: "f32[2, 2, 2, 5]" = torch.functional.einsum('bAB,bABv->bABv', reshape_6, reshape_7);  reshape_6 = reshape_7 = None
+        getitem_6: "f32[2, 1, 2, 2, 5]" = einsum[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None), slice(None, None, None))];  einsum = None
+        expand_6: "f32[2, 1, 2, 2, 5]" = getitem_6.expand(-1, 1, -1, -1, -1);  getitem_6 = None
+        reshape_8: "f32[2, 1, 4, 5]" = expand_6.reshape(2, 1, 4, 5);  expand_6 = None
+        select_1: "f32[2, 4, 5]" = torch.select(dA, 3, 0);  dA = None
+        select_2: "f32[2, 4]" = torch.select(select_1, 2, 0);  select_1 = None
+        reshape_9: "f32[2, 2, 2]" = select_2.reshape(2, 2, 2);  select_2 = None
+        getitem_7: "f32[2, 1, 2, 2]" = reshape_9[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  reshape_9 = None
+        expand_7: "f32[2, 1, 2, 2]" = getitem_7.expand(-1, -1, -1, -1);  getitem_7 = None
+        reshape_10: "f32[2, 1, 4]" = expand_7.reshape(2, 1, 4);  expand_7 = None
+        log: "f32[2, 1, 4]" = torch.log(reshape_10);  reshape_10 = None
+        permute: "f32[2, 4, 4, 5]" = torch.permute(l_cache_, (0, 1, 3, 2));  l_cache_ = None
+        fused_recurrent_default: "f32[2, 1, 4, 5]" = torch.ops.gla_inductor.fused_recurrent.default(reshape_4, reshape_5, reshape_8, log, None, permute, 1.0, False);  reshape_4 = reshape_5 = reshape_8 = log = permute = None
+        squeeze: "f32[2, 4, 5]" = torch.squeeze(fused_recurrent_default, 1);  fused_recurrent_default = None
+        reshape_11: "f32[8, 5, 1]" = squeeze.reshape(8, 5, 1);  squeeze = None
+
+        view_2: "f32[2, 4, 5]" = reshape_11.view(2, 4, 5);  reshape_11 = None
+        add_1: "f32[2, 4, 5]" = view_2 + l_x_;  view_2 = l_x_ = None
+        return (add_1,)
+""")
+
+    def test_chunked_hf_einsum(self):
+        self.assertExpectedInline(rewritten_graph("chunked_hf_einsum"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 9, 4, 5]", L_dt_: "f32[2, 9, 4]", L_Bg_: "f32[2, 9, 2, 3]", L_Cg_: "f32[2, 9, 2, 3]", L_A_: "f32[4]", L_h0_: "f32[2, 4, 5, 3]"):
+        l_x_ = L_x_
+        l_dt_ = L_dt_
+        l_bg_ = L_Bg_
+        l_cg_ = L_Cg_
+        l_a_ = L_A_
+        l_h0_ = L_h0_
+
+        dt: "f32[2, 9, 4]" = torch._C._nn.softplus(l_dt_);  l_dt_ = None
+
+        to: "f32[2, 9, 2, 3]" = l_bg_.to(torch.float32);  l_bg_ = None
+        Bh: "f32[2, 9, 4, 3]" = to.repeat_interleave(2, dim = 2, output_size = 4);  to = None
+
+        to_1: "f32[2, 9, 2, 3]" = l_cg_.to(torch.float32);  l_cg_ = None
+        Ch: "f32[2, 9, 4, 3]" = to_1.repeat_interleave(2, dim = 2, output_size = 4);  to_1 = None
+
+        getitem: "f32[2, 9, 4, 1]" = dt[(Ellipsis, None)]
+        x: "f32[2, 9, 4, 5]" = l_x_ * getitem;  l_x_ = getitem = None
+        to_2: "f32[4]" = l_a_.to(torch.float32);  l_a_ = None
+        a: "f32[2, 9, 4]" = to_2 * dt;  to_2 = dt = None
+
+        t: "f32[2, 12, 4, 5]" = torch._C._nn.pad(x, (0, 0, 0, 0, 0, 3), 'constant', None);  x = None
+        t_1: "f32[2, 12, 4]" = torch._C._nn.pad(a, (0, 0, 0, 3), 'constant', None);  a = None
+        t_2: "f32[2, 12, 4, 3]" = torch._C._nn.pad(Bh, (0, 0, 0, 0, 0, 3), 'constant', None);  Bh = None
+        t_3: "f32[2, 12, 4, 3]" = torch._C._nn.pad(Ch, (0, 0, 0, 0, 0, 3), 'constant', None);  Ch = None
+
+        permute_4: "f32[2, 4, 3, 5]" = torch.permute(l_h0_, (0, 1, 3, 2));  l_h0_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(t_3, t_2, t, t_1, None, permute_4, 1.0, True, False);  t_3 = t_2 = t = t_1 = permute_4 = None
+        getitem_11: "f32[2, 12, 4, 5]" = chunk_fwd_default[0]
+        getitem_12: "f32[2, 4, 3, 5]" = chunk_fwd_default[1];  chunk_fwd_default = None
+        permute_5: "f32[2, 4, 5, 3]" = torch.permute(getitem_12, (0, 1, 3, 2));  getitem_12 = None
+
+        getitem_10: "f32[2, 9, 4, 5]" = getitem_11[(slice(None, None, None), slice(None, 9, None))];  getitem_11 = None
+        return (getitem_10, permute_5)
+""")
+
+    def test_chunked_ssd_minimal(self):
+        self.assertExpectedInline(rewritten_graph("chunked_ssd_minimal"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_X_: "f32[2, 8, 4, 5]", L_A_: "f32[2, 8, 4]", L_Bh_: "f32[2, 8, 4, 3]", L_Ch_: "f32[2, 8, 4, 3]", L_h0_: "f32[2, 4, 5, 3]"):
+        l_x_ = L_X_
+        l_a_ = L_A_
+        l_bh_ = L_Bh_
+        l_ch_ = L_Ch_
+        l_h0_ = L_h0_
+
+        permute_1: "f32[2, 4, 3, 5]" = torch.permute(l_h0_, (0, 1, 3, 2));  l_h0_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(l_ch_, l_bh_, l_x_, l_a_, None, permute_1, 1.0, False, False);  l_ch_ = l_bh_ = l_x_ = l_a_ = permute_1 = None
+        getitem_6: "f32[2, 8, 4, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        return (getitem_6,)
+""")
+
+    def test_chunk_loop_cat(self):
+        self.assertExpectedInline(rewritten_graph("chunk_loop_cat"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]", L_k_: "f32[2, 3, 9, 4]", L_g_: "f32[2, 3, 9]"):
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_k_ = L_k_
+        l_g_ = L_g_
+
+        q: "f32[2, 3, 9, 4]" = l_q_ * 0.5;  l_q_ = None
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', q);  q = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_3: "f32[2, 9, 3]" = torch.functional.einsum('bht->bth', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, None, 1.0, True, False);  einsum = einsum_1 = einsum_2 = einsum_3 = None
+        getitem_30: "f32[2, 9, 3, 5]" = chunk_fwd_default[0]
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_30, (0, 2, 1, 3));  getitem_30 = None
+        getitem_31: "f32[2, 3, 4, 5]" = chunk_fwd_default[1];  chunk_fwd_default = None
+        return (permute, getitem_31)
+""")
+
+    def test_chunk_loop_retention(self):
+        self.assertExpectedInline(rewritten_graph("chunk_loop_retention"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 3, 8, 4]", L_k_: "f32[2, 3, 8, 4]", L_v_: "f32[2, 3, 8, 5]", L_log_gamma_: "f32[3]"):
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_log_gamma_ = L_log_gamma_
+
+        einsum: "f32[2, 8, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 8, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 8, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, None, l_log_gamma_, None, 1.0, False, False);  einsum = einsum_1 = einsum_2 = l_log_gamma_ = None
+        getitem_16: "f32[2, 8, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
+        permute: "f32[2, 3, 8, 5]" = torch.permute(getitem_16, (0, 2, 1, 3));  getitem_16 = None
+        return (permute,)
+""")
+
+    def test_loop_cache_writeback(self):
+        self.assertExpectedInline(rewritten_graph("loop_cache_writeback"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[2, 9, 3, 4]", L_g_: "f32[2, 9, 3, 4]", L_cache_: "f32[2, 3, 4, 5]", L_k_: "f32[2, 9, 3, 4]", L_v_: "f32[2, 9, 3, 5]"):
+        l_q_ = L_q_
+        l_g_ = L_g_
+        l_cache_ = L_cache_
+        l_k_ = L_k_
+        l_v_ = L_v_
+
+        fused_recurrent_default: "f32[2, 9, 3, 5]" = torch.ops.gla_inductor.fused_recurrent.default(l_q_, l_k_, l_v_, l_g_, None, l_cache_, 1.0, False);  l_q_ = l_k_ = l_v_ = l_g_ = l_cache_ = None
+        return (fused_recurrent_default,)
+""")
+
     def test_loop_broadcast_setitem(self):
         self.assertExpectedInline(rewritten_graph("loop_broadcast_setitem"), """\
 class GraphModule(torch.nn.Module):

@@ -7,13 +7,15 @@ compiles as if the pass were off.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from . import loop, parallel
+from . import chunked, loop, parallel
 from .algebra import Analyzer, op_name
 from .consts import is_inplace
 from .emit import Transaction
@@ -21,7 +23,14 @@ from .match import NearMiss
 
 log = logging.getLogger("gla_inductor")
 
-RECOGNIZERS = {"loop": loop.recognize, "parallel": parallel.recognize}
+# In order of precedence: a later match that overlaps an earlier one's nodes is dropped (the
+# chunked form holds intra-chunk pieces that read like a parallel form).
+RECOGNIZERS = {
+    "chunked": chunked.recognize,
+    "loop": loop.recognize,
+    "decode": loop.recognize_decode,
+    "parallel": parallel.recognize,
+}
 
 
 @dataclass
@@ -31,19 +40,38 @@ class RewriteResult:
     seconds: float = 0.0
 
 
-def rewrite_graph(gm: fx.GraphModule, forms=("loop", "parallel")) -> RewriteResult:
+def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel")) -> RewriteResult:
     """Replace every proven GLA instance in `gm` by the GLA op. A match whose replacement
     fails is undone and reported as a near miss; an internal error undoes everything and
     raises (the backend logs it and compiles the graph unchanged)."""
     start = time.perf_counter()
+    with _no_gc():  # the analysis allocates many small objects and keeps them: collecting is waste
+        return _rewrite(gm, forms, start)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _rewrite(gm: fx.GraphModule, forms, start: float) -> RewriteResult:
     graph = gm.graph
     an = Analyzer(graph)
     result = RewriteResult()
-    found = []
-    for form in forms:
+    found, covered = [], set()
+    for form in (f for f in RECOGNIZERS if f in forms):
         matches, near = RECOGNIZERS[form](an)
-        result.near_misses += near
-        found += matches
+        result.near_misses += [nm for nm in near if not covered.intersection(nm.nodes)]
+        for m in matches:
+            if not covered.intersection(m.nodes):
+                found.append(m)
+                covered |= set(m.covers) | set(m.nodes)
     txn = Transaction(graph)
     for m in found:
         mark = txn.mark()

@@ -17,7 +17,9 @@ Factors are
 Broadcast-multiply-sum, ``matmul``, ``bmm``, ``einsum``, scalar scales, casts, views,
 permutes and keepdim slices all canonicalize to the same representation, so the
 recognizers in ``loop.py`` and ``parallel.py`` match semantics, not spellings. A size-1
-axis has the variable ``None``. Reading each node costs time proportional to its own
+axis has the variable ``None``. An axis that is several axes merged row-major (a reshape of
+[B, H, D] to [B*H, D], ``repeat_interleave`` of groups over heads, a time axis split into
+chunks) has a *composite* entry: a tuple of variables, outermost first. Reading each node costs time proportional to its own
 expression (bounded by ``MAX_TERMS``), so the whole analysis is linear in graph size.
 
 A sum of several monomials that is multiplied with something else is *cut*: the consumer
@@ -30,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -76,6 +78,42 @@ class AV:
     # Ids of the fresh values whose variables this one uses: operands whose origins are
     # disjoint cannot share a variable, so only overlapping ones need renaming.
     origin: frozenset = frozenset()
+    # The value as one atom: the node that computed it, indexed through the views taken of
+    # it since. A sum read through `S.view(...)` is cut at S itself, so a recurrence whose
+    # state is reshaped before its next use still chains S_{t-1} -> S_t.
+    root: Optional[Factor] = None
+
+
+def comps(entry) -> tuple:
+    """The variables of an index entry: () for a size-1 axis, several for a merged axis."""
+    if entry is None:
+        return ()
+    return entry if type(entry) is tuple else (entry,)
+
+
+def make_entry(cs) -> Any:
+    cs = tuple(cs)
+    if not cs:
+        return None
+    return cs[0] if len(cs) == 1 else cs
+
+
+def out_vars(out: tuple) -> set:
+    return {c for e in out for c in comps(e)}
+
+
+def _resolve(entry, mp: dict):
+    """An entry with every variable replaced through `mp` (var -> entry, possibly chained)."""
+    if type(entry) is int:  # the common case, kept fast
+        r = mp.get(entry)
+        return entry if r is None else _resolve(r, mp)
+    if entry is None:
+        return None
+    res = []
+    for c in entry:
+        r = mp.get(c)
+        res.extend((c,) if r is None else comps(_resolve(r, mp)))
+    return make_entry(res)
 
 
 def _rank(node: fx.Node) -> int:
@@ -84,7 +122,12 @@ def _rank(node: fx.Node) -> int:
 
 
 def factor_vars(f: Factor) -> set:
-    vs = {v for v in f.idx if v is not None}
+    vs = set()
+    for e in f.idx:
+        if type(e) is int:
+            vs.add(e)
+        elif e is not None:
+            vs.update(e)
     for _, fs in f.inner:
         for g in fs:
             vs |= factor_vars(g)
@@ -99,13 +142,26 @@ def mono_vars(m: Mono) -> set:
 
 
 def _sub_factor(f: Factor, mp: dict) -> Factor:
-    idx = tuple(mp.get(v, v) if v is not None else None for v in f.idx)
+    idx = tuple([_resolve(e, mp) for e in f.idx])
     inner = tuple(_sub_mono(m, mp) for m in f.inner) if f.inner else ()
     return Factor(f.kind, idx, f.atom, f.node, f.negate, inner, f.lower, f.diagonal)
 
 
 def _sub_mono(m: Mono, mp: dict) -> Mono:
     return (m[0], tuple(_sub_factor(f, mp) for f in m[1]))
+
+
+def _sub_av(av: AV, out: tuple, mp: dict) -> AV:
+    """`av` with variables substituted and the given output entries."""
+    if not mp:
+        return AV(out, av.terms, av.keep, av.origin, av.root)
+    return AV(
+        tuple(_resolve(e, mp) for e in out),
+        tuple(_sub_mono(m, mp) for m in av.terms),
+        _sub_factor(av.keep, mp) if av.keep is not None else None,
+        av.origin,
+        _sub_factor(av.root, mp) if av.root is not None else None,
+    )
 
 
 def _merge_exps(m: Mono) -> Mono:
@@ -128,7 +184,28 @@ class Analyzer:
         self._counter = itertools.count()
         self._cache: dict[fx.Node, Optional[AV]] = {}
         self.canon = _value_numbering(graph)
-        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.memo: dict = {}  # results the recognizers share (the state updates of loop.py)
+        self.versions = _versions(self.nodes, self.order)
+        self.readers: dict = {}  # node -> consumers that read it through a tensor it was written into
+        for (consumer, _), value in self.versions.items():
+            if value is not STALE:
+                self.readers.setdefault(value, []).append(consumer)
+
+    def read(self, consumer: fx.Node, x):
+        """What `consumer` reads for its argument x: x, or the value written into x in place
+        before (`cache.copy_(S)` then `cache` reads S); opaque where that is not known."""
+        if not isinstance(x, fx.Node):
+            return x
+        v = self.versions.get((consumer, x), x)
+        if v is STALE:
+            raise _Opaque
+        return v
+
+    def users(self, node: fx.Node) -> list:
+        """The nodes that read `node`'s value: its users, and readers through a write-back."""
+        return list(node.users) + self.readers.get(node, [])
 
     # ---- variables -------------------------------------------------------------------
     def fresh(self, size) -> Optional[int]:
@@ -144,19 +221,17 @@ class Analyzer:
         for m in av.terms:
             for v in mono_vars(m):
                 mp.setdefault(v, None)
-        for v in av.out:
-            if v is not None:
-                mp.setdefault(v, None)
-        if av.keep is not None:
-            for v in factor_vars(av.keep):
-                mp.setdefault(v, None)
+        for v in out_vars(av.out):
+            mp.setdefault(v, None)
+        for f in (av.keep, av.root):
+            if f is not None:
+                for v in factor_vars(f):
+                    mp.setdefault(v, None)
         for v in list(mp):
             nv = next(self._counter)
             self.sizes[nv] = self.sizes[v]
             mp[v] = nv
-        out = tuple(mp[v] if v is not None else None for v in av.out)
-        keep = _sub_factor(av.keep, mp) if av.keep is not None else None
-        return AV(out, tuple(_sub_mono(m, mp) for m in av.terms), keep, self.new_origin())
+        return replace(_sub_av(av, av.out, mp), origin=self.new_origin())
 
     def new_origin(self) -> frozenset:
         return frozenset((next(self._counter),))
@@ -172,10 +247,12 @@ class Analyzer:
             av = self._compute(node)
         except _Opaque:
             av = None
-        if av is None:
-            av = self.atom_av(node)
         if av is not None and len(av.terms) > MAX_TERMS:
-            av = self.atom_av(node)
+            av = None
+        if av is None:
+            av = self._pointwise_atom(node) or self.atom_av(node)
+        elif op_name(node) not in _VIEW_OPS:
+            av = AV(av.out, av.terms, av.keep, av.origin, Factor("atom", av.out, atom=Atom(self.canon.get(node, node))))
         self._cache[node] = av
         return av
 
@@ -192,6 +269,50 @@ class Analyzer:
         out = tuple(self.fresh(s) for s in val.shape)
         return AV(out, ((1.0, (Factor("atom", out, atom=Atom(node)),)),), None, self.new_origin())
 
+    def cut_av(self, node: fx.Node, av: AV) -> Optional[AV]:
+        """The value read as one atom: its root through views, else the node itself."""
+        if av.root is not None:
+            return AV(av.out, ((1.0, (av.root,)),), None, av.origin, av.root)
+        return self.atom_av(node)
+
+    def _pointwise_atom(self, node: fx.Node) -> Optional[AV]:
+        """An elementwise op (softplus, clamp, exp of a non-linear form, ...) as an atom that
+        is read at index 0 along every axis all of its inputs are constant along.
+
+        `softplus(dt.expand(-1, -1, P))` is the same for every p; reading it at p = 0 lets the
+        recognizers see that it does not vary over P (a gate over heads, not over values)."""
+        if not is_pointwise(node):
+            return None
+        val = example_value(node)
+        if not isinstance(val, torch.Tensor) or self.consts.is_const(node):
+            return None
+        rank = val.dim()
+        varies = [False] * rank
+        for x in node.all_input_nodes:
+            if self.versions.get((node, x), x) is not x:
+                return None
+            xv = example_value(x)
+            if not isinstance(xv, torch.Tensor):
+                continue
+            av = self.value(x)
+            if av is None or len(av.out) > rank:
+                return None
+            used = set().union(*[mono_vars(m) for m in av.terms]) if av.terms else set()
+            if av.keep is not None:
+                used |= factor_vars(av.keep)
+            off = rank - len(av.out)
+            for p, e in enumerate(av.out):
+                varies[off + p] |= bool(set(comps(e)) & used)
+        shape = tuple(val.shape)
+        fixed = tuple((p, 0) for p in range(rank) if not varies[p] and not (isinstance(shape[p], int) and shape[p] == 1))
+        if not fixed:
+            return None
+        out = tuple(self.fresh(s) for s in shape)
+        fixed_axes = {p for p, _ in fixed}
+        idx = tuple(out[p] for p in range(rank) if p not in fixed_axes)
+        atom = Atom(self.canon.get(node, node), fixed)
+        return AV(out, ((1.0, (Factor("atom", idx, atom=atom),)),), None, self.new_origin())
+
     # ---- dispatch --------------------------------------------------------------------
     def _compute(self, node: fx.Node) -> Optional[AV]:
         if node.op not in ("call_function", "call_method"):
@@ -206,7 +327,8 @@ class Analyzer:
         if not isinstance(val, torch.Tensor):
             return None
         # For call_method nodes args[0] is self, so methods and functions read alike.
-        av = handler(node, *node.args, **dict(node.kwargs))
+        args, kwargs = fx.node.map_arg((node.args, dict(node.kwargs)), lambda x: self.read(node, x))
+        av = handler(node, *args, **kwargs)
         if av is not None and len(av.out) != val.dim():
             return None
         return av
@@ -241,7 +363,7 @@ class Analyzer:
         seen: frozenset = frozenset()
         for node, av, labels in operands:
             if multi and self._cut(node, av):
-                av = self.atom_av(node)  # see module docstring
+                av = self.cut_av(node, av)  # see module docstring
                 if av is None:
                     raise _Opaque
             elif not multi and av.keep is not None:
@@ -251,15 +373,13 @@ class Analyzer:
             seen |= av.origin
             insts.append((av, labels))
         rep: dict = {}
-        size: dict = {}
         mp: dict = {}
         for av, labels in insts:
             for v, lab in zip(av.out, labels):
                 if v is None:
                     continue
-                size[lab] = self.sizes[v]
                 if lab in rep:
-                    mp[v] = rep[lab]
+                    self.unify(rep[lab], v, mp)
                 else:
                     rep[lab] = v
         terms = []
@@ -272,17 +392,57 @@ class Analyzer:
             terms.append(_merge_exps(_sub_mono((coef, factors), mp)))
             if len(terms) > MAX_TERMS:
                 raise _Opaque
-        out = tuple(rep.get(lab) for lab in out_labels)
-        out_set = set(out)
-        for lab, v in rep.items():
-            if v in out_set:
+        out = tuple(_resolve(rep[lab], mp) if lab in rep else None for lab in out_labels)
+        kept = out_vars(out)
+        for lab, e in rep.items():
+            if lab in out_labels:
                 continue
-            for i, m in enumerate(terms):
-                if v not in mono_vars(m):  # summing a broadcast axis multiplies by its size
-                    if not isinstance(size[lab], int):
-                        raise _Opaque
-                    terms[i] = (m[0] * size[lab], m[1])
+            for v in comps(_resolve(e, mp)):
+                if v in kept:
+                    raise _Opaque  # a summed axis that is also kept (not an einsum)
+                for i, m in enumerate(terms):
+                    if v not in mono_vars(m):  # summing a broadcast axis multiplies by its size
+                        size = self.sizes[v]
+                        if not isinstance(size, int):
+                            raise _Opaque
+                        terms[i] = (m[0] * size, m[1])
         return AV(out, tuple(terms), None, seen)
+
+    def unify(self, x, y, mp: dict) -> None:
+        """Make entries x and y (of one axis, as two operands index it) the same, recording
+        substitutions in `mp`. A plain variable against a merged axis is split into parts."""
+        x, y = _resolve(x, mp), _resolve(y, mp)
+        if x == y:
+            return
+        cx, cy = list(comps(x)), list(comps(y))
+        if len(cx) == 1 and len(cy) == 1:
+            mp[cy[0]] = cx[0]
+            return
+        while cx and cy:
+            a, b = cx[0], cy[0]
+            sa, sb = self.sizes[a], self.sizes[b]
+            if not (isinstance(sa, int) and isinstance(sb, int)):
+                raise _Opaque
+            if sa == sb:
+                mp[b] = a
+                cx.pop(0)
+                cy.pop(0)
+            elif sa > sb and sa % sb == 0:
+                a1, a2 = self.fresh(sb), self.fresh(sa // sb)
+                mp[a] = (a1, a2)
+                mp[b] = a1
+                cx[0] = a2
+                cy.pop(0)
+            elif sb > sa and sb % sa == 0:
+                b1, b2 = self.fresh(sa), self.fresh(sb // sa)
+                mp[b] = (b1, b2)
+                mp[b1] = a
+                cy[0] = b2
+                cx.pop(0)
+            else:
+                raise _Opaque
+        if cx or cy:
+            raise _Opaque
 
     def _cut(self, node: fx.Node, av: AV) -> bool:
         """Whether a product operand is read as an opaque atom rather than expanded.
@@ -292,7 +452,8 @@ class Analyzer:
         used more than once (``S = k0 v0`` before a loop is read by two consumers)."""
         if len(av.terms) > 1 or av.keep is not None:
             return True
-        if op_name(node) in ("add", "sub", "rsub"):
+        root = av.root.atom.node if av.root is not None else node
+        if op_name(node) in ("add", "sub", "rsub") or op_name(root) in ("add", "sub", "rsub"):
             return True
         if len(node.users) > 1 and av.terms:
             atoms = sum(1 for f in av.terms[0][1] if f.kind == "atom")
@@ -345,38 +506,38 @@ class Analyzer:
         for x, c in ((a, 1.0), (b, cb)):
             nx, vx = self._operand(x)
             if nx is None:
-                parts.append((None, AV((), ((vx * c, ()),)), ()))
+                parts.append(AV((), ((vx * c, ()),)))
                 continue
             if vx.keep is not None:
                 raise _Opaque
             if self._cut(nx, vx):
-                vx = self.atom_av(nx)  # S_t = S_{t-1} + k v keeps S_{t-1} whole
-            vx = self._scaled(vx, c)
-            parts.append((nx, vx, None))
+                vx = self.cut_av(nx, vx)  # S_t = S_{t-1} + k v keeps S_{t-1} whole
+            parts.append(self._scaled(vx, c))
         # Align both sides to the output shape (right-aligned broadcasting).
         rank = len(shape)
-        out_vars = [None] * rank
+        outs: list = [None] * rank
         terms: list = []
+        mp: dict = {}
         seen: frozenset = frozenset()
-        for nx, vx, _ in parts:
+        for vx in parts:
             if vx.origin & seen or not vx.origin:
                 vx = self.instantiate(vx)
             seen |= vx.origin
             off = rank - len(vx.out)
-            mp = {}
             for p, v in enumerate(vx.out):
                 if v is None:
                     continue
-                q = off + p
-                if out_vars[q] is None:
-                    out_vars[q] = v
+                if outs[off + p] is None:
+                    outs[off + p] = v
                 else:
-                    mp[v] = out_vars[q]
-            terms += [_sub_mono(m, mp) for m in vx.terms]
+                    self.unify(outs[off + p], v, mp)
+            terms += vx.terms
+        terms = [_sub_mono(m, mp) for m in terms]
+        outs = [_resolve(e, mp) for e in outs]
         for p, s in enumerate(shape):
-            if out_vars[p] is None and not (isinstance(s, int) and s == 1):
-                out_vars[p] = self.fresh(s)  # a broadcast axis no term depends on
-        return AV(tuple(out_vars), tuple(terms), None, seen)
+            if outs[p] is None and not (isinstance(s, int) and s == 1):
+                outs[p] = self.fresh(s)  # a broadcast axis no term depends on
+        return AV(tuple(outs), tuple(terms), None, seen)
 
     def _op_exp(self, node, a, **kw):
         _, va = self._operand(a)
@@ -394,7 +555,7 @@ class Analyzer:
         return None
 
     def _exp(self, va: AV, c: float) -> Optional[AV]:
-        out_set = {v for v in va.out if v is not None}
+        out_set = out_vars(va.out)
         for m in va.terms:
             if not mono_vars(m) <= out_set or any(f.kind == "exp" for f in m[1]):
                 return None  # exp of a contraction or of an exp: not a linear form
@@ -485,7 +646,7 @@ class Analyzer:
 
     # ---- views -----------------------------------------------------------------------
     def _relabel(self, av: AV, out: tuple) -> AV:
-        return AV(out, av.terms, av.keep, av.origin)
+        return AV(out, av.terms, av.keep, av.origin, av.root)
 
     def _op_identity(self, node, a, *args, **kw):
         na, va = self._operand(a)
@@ -531,18 +692,81 @@ class Analyzer:
         return self._relabel(va, tuple(reversed(va.out))) if len(va.out) <= 2 else None
 
     def _op_reshape(self, node, a, *shape, **kw):
-        """Reshapes that only insert or drop size-1 axes are relabelings."""
+        """Any reshape: the row-major sequence of index variables is regrouped by the new
+        sizes; a variable that a new axis boundary cuts through is split in two."""
+        if any(isinstance(x, torch.dtype) for x in shape):
+            return None  # x.view(dtype) reinterprets bits
         _, va = self._operand(a)
         src, dst = self._shape(a), self._shape(node)
-        keep_src = [(i, s) for i, s in enumerate(src) if not (isinstance(s, int) and s == 1)]
-        keep_dst = [(i, s) for i, s in enumerate(dst) if not (isinstance(s, int) and s == 1)]
-        if len(keep_src) != len(keep_dst):
+        if len(src) != len(va.out):
             return None
-        out = [None] * len(dst)
-        for (i, s), (j, d) in zip(keep_src, keep_dst):
-            if s is not d and s != d:
+        pending = [c for e in va.out for c in comps(e)]
+        mp: dict = {}
+        out = []
+        for d in dst:
+            if isinstance(d, int) and d == 1:
+                out.append(None)
+                continue
+            group = self._take(pending, d, mp)
+            if group is None:
                 return None
-            out[j] = va.out[i]
+            out.append(make_entry(group))
+        if pending:
+            return None
+        return _sub_av(va, tuple(out), mp)
+
+    def _take(self, pending: list, d, mp: dict) -> Optional[list]:
+        """Pop the leading variables of `pending` whose sizes multiply to d."""
+        if not pending:
+            return None
+        s = self.sizes[pending[0]]
+        if not (isinstance(s, int) and isinstance(d, int)):
+            return [pending.pop(0)] if (s is d or s == d) else None
+        group, prod = [], 1
+        while pending:
+            c = pending[0]
+            s = self.sizes[c]
+            if not isinstance(s, int):
+                return None
+            if prod * s <= d and d % (prod * s) == 0:
+                group.append(pending.pop(0))
+                prod *= s
+            elif (d // prod) > 1 and d % prod == 0 and s % (d // prod) == 0:
+                c1, c2 = self.fresh(d // prod), self.fresh(s // (d // prod))
+                mp[c] = (c1, c2)
+                group.append(c1)
+                pending[0] = c2
+                prod = d
+            else:
+                return None
+            if prod == d:
+                return group
+        return None
+
+    def _op_repeat_interleave(self, node, a, repeats=None, dim=None, output_size=None, **kw):
+        """x.repeat_interleave(r, dim): out[.., i * r + j, ..] = x[.., i, ..], a merged axis."""
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or dim is None:
+            return None
+        _, va = self._operand(a)
+        d = dim % len(va.out)
+        out = list(va.out)
+        out[d] = make_entry(comps(out[d]) + comps(self.fresh(repeats)))
+        return self._relabel(va, tuple(out))
+
+    def _op_repeat(self, node, a, *sizes, **kw):
+        """x.repeat(r, ...) tiles: out[.., j * n + i, ..] = x[.., i, ..]."""
+        if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = tuple(sizes[0])
+        if not all(isinstance(r, int) for r in sizes):
+            return None
+        _, va = self._operand(a)
+        off = len(sizes) - len(va.out)
+        if off < 0:
+            return None
+        out = []
+        for p, r in enumerate(sizes):
+            e = va.out[p - off] if p >= off else None
+            out.append(make_entry(comps(self.fresh(r)) + comps(e)))
         return self._relabel(va, tuple(out))
 
     def _op_expand(self, node, a, *sizes, **kw):
@@ -563,7 +787,9 @@ class Analyzer:
         v = av.out[pos]
         out = av.out[:pos] + av.out[pos + 1 :]
         if v is None:
-            return AV(out, av.terms, av.keep, av.origin)
+            return replace(av, out=out)
+        if isinstance(v, tuple):
+            return None  # a merged axis: one index fixes several variables
         if isinstance(size, int):
             index = index % size
         elif index < 0:
@@ -572,23 +798,19 @@ class Analyzer:
         for coef, fs in av.terms:
             new_fs = []
             for f in fs:
-                if v not in factor_vars(f):
-                    new_fs.append(f)
-                    continue
-                if f.kind != "atom" or f.idx.count(v) != 1:
+                f = _fix(f, v, index)
+                if f is None:
                     return None
-                p = f.idx.index(v)
-                axis = f.atom.free_axes()[p]
-                atom = Atom(f.atom.node, tuple(sorted(f.atom.fixed + ((axis, index),))))
-                new_fs.append(Factor("atom", f.idx[:p] + f.idx[p + 1 :], atom=atom))
+                new_fs.append(f)
             terms.append((coef, tuple(new_fs)))
         if av.keep is not None and v in factor_vars(av.keep):
             return None
-        return AV(out, tuple(terms), av.keep, av.origin)
+        root = _fix(av.root, v, index) if av.root is not None else None
+        return AV(out, tuple(terms), av.keep, av.origin, root)
 
     def _op_getitem(self, node, a, index, **kw):
         if isinstance(a, fx.Node) and op_name(a) == "unbind":
-            src = a.args[0]
+            src = self.read(a, a.args[0])
             dim = a.args[1] if len(a.args) > 1 else a.kwargs.get("dim", 0)
             _, va = self._operand(src)
             return self._select(va, dim % len(va.out), index, self._shape(src)[dim])
@@ -611,7 +833,7 @@ class Analyzer:
             if i is None:
                 out = list(cur.out)
                 out.insert(out_pos, None)
-                cur = AV(tuple(out), cur.terms, cur.keep, cur.origin)
+                cur = replace(cur, out=tuple(out))
                 out_pos += 1
             elif isinstance(i, slice):
                 size = shape[src_pos]
@@ -624,7 +846,7 @@ class Analyzer:
                         return None
                     out = list(cur.out)
                     out.insert(out_pos, None)
-                    cur = AV(tuple(out), cur.terms, cur.keep, cur.origin)
+                    cur = replace(cur, out=tuple(out))
                     out_pos += 1
                 else:
                     return None
@@ -654,7 +876,7 @@ class Analyzer:
             return None
         out = list(cur.out)
         out.insert(d, None)
-        return AV(tuple(out), cur.terms, cur.keep, cur.origin)
+        return replace(cur, out=tuple(out))
 
     # ---- masks -----------------------------------------------------------------------
     def _mask_factor(self, mask, target_out: tuple, negate: bool) -> Optional[Factor]:
@@ -720,6 +942,18 @@ class _Opaque(Exception):
     """The node is not expressible; it becomes an atom for its consumers."""
 
 
+def _fix(f: Factor, v: int, index: int) -> Optional[Factor]:
+    """Factor f with variable v fixed to `index` (f unchanged when it does not use v)."""
+    if v not in factor_vars(f):
+        return f
+    if f.kind != "atom" or f.idx.count(v) != 1:
+        return None
+    p = f.idx.index(v)
+    axis = f.atom.free_axes()[p]
+    atom = Atom(f.atom.node, tuple(sorted(f.atom.fixed + ((axis, index),))))
+    return Factor("atom", f.idx[:p] + f.idx[p + 1 :], atom=atom)
+
+
 def _unit_slice(s: slice, size):
     """'full' for `:`, the index i for `i:i+1`, else None."""
     if s.step not in (None, 1):
@@ -746,7 +980,8 @@ _FUNCTIONS = {
     torch.reshape: "reshape", torch.t: "t", torch.masked_fill: "masked_fill",
     torch.where: "where", torch.tril: "tril", torch.triu: "triu", operator.getitem: "getitem",
     torch.select: "select", torch.narrow: "narrow", torch.unbind: "unbind",
-    torch.clone: "identity", torch.broadcast_to: "expand",
+    torch.clone: "identity", torch.broadcast_to: "expand", torch.flatten: "reshape",
+    torch.unflatten: "reshape", torch.repeat_interleave: "repeat_interleave",
 }
 _METHODS = {
     "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "div": "div", "__truediv__": "div",
@@ -760,7 +995,51 @@ _METHODS = {
     "to": "identity", "type_as": "identity", "type": "identity", "masked_fill": "masked_fill",
     "tril": "tril", "triu": "triu", "select": "select", "narrow": "narrow", "unbind": "unbind",
     "view_as": "reshape", "reshape_as": "reshape", "__getitem__": "getitem",
+    "flatten": "reshape", "unflatten": "reshape", "repeat_interleave": "repeat_interleave",
+    "repeat": "repeat",
 }
+
+# Ops whose value is their operand's, re-indexed: their abstract value keeps the operand's root.
+_VIEW_OPS = {
+    "identity", "unsqueeze", "squeeze", "permute", "transpose", "t", "reshape", "expand",
+    "getitem", "select", "narrow", "repeat_interleave", "repeat",
+}
+
+
+def _pointwise_targets() -> tuple:
+    """Elementwise ops (with broadcasting): functions by object, methods by name."""
+    import torch.nn.functional as F
+
+    names = (
+        "softplus", "sigmoid", "silu", "tanh", "relu", "gelu", "logsigmoid", "log_sigmoid", "log",
+        "log1p", "exp", "expm1", "sqrt", "rsqrt", "abs", "clamp", "clamp_min", "clamp_max",
+        "square", "reciprocal", "mul", "add", "sub", "div", "true_divide", "neg", "pow", "where",
+        "exp2", "elu", "softsign", "erf", "sin", "cos", "minimum", "maximum",
+    )
+    fns = set()
+    for mod in (torch, F, torch._C._nn, torch.special):
+        for n in names:
+            f = getattr(mod, n, None)
+            if callable(f):
+                fns.add(f)
+    fns |= {operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow}
+    methods = set(names) | {"__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__",
+                            "__truediv__", "__rtruediv__", "__neg__", "__pow__", "__rpow__"}
+    return fns, methods
+
+
+_POINTWISE_FNS, _POINTWISE_METHODS = _pointwise_targets()
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _POINTWISE_METHODS
+    if node.op == "call_function":
+        try:
+            return node.target in _POINTWISE_FNS
+        except TypeError:
+            return False
+    return False
 
 
 def op_name(node: fx.Node) -> Optional[str]:
@@ -772,6 +1051,68 @@ def op_name(node: fx.Node) -> Optional[str]:
     if node.op == "call_method":
         return _METHODS.get(node.target)
     return None
+
+
+class _Stale:
+    """Marks a read of memory that was written in place with a value not known here."""
+
+
+STALE = _Stale()
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The tensor whose memory `node` may alias: through views, casts (conservatively) and
+    in-place ops, which return their first argument."""
+    while (op_name(node) in _VIEW_OPS or is_inplace(node)) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _versions(nodes: list, order: dict) -> dict:
+    """(consumer, input) -> what the consumer reads, for each input whose memory was written
+    in place after the input was computed: the written value for a whole write of that very
+    tensor (`x.copy_(y)`, `x[:] = y`, same shape), else STALE. The algebra reads node values,
+    so without this a read after a write would see the value before it."""
+    writes = [n for n in nodes if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node)]
+    if not writes:
+        return {}
+    first = order[writes[0]]
+    roots: dict = {}
+
+    def root(x):
+        if x not in roots:
+            roots[x] = storage_root(x)
+        return roots[x]
+
+    written: dict = {}  # storage root -> (position of the last write, value or STALE)
+    res: dict = {}
+    for i, n in enumerate(nodes[first:], first):
+        for a in n.all_input_nodes:
+            w = written.get(root(a)) if written else None
+            if w is not None and w[0] > order[a]:
+                res[(n, a)] = w[1] if root(a) is a else STALE
+        if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
+            target = n.args[0]
+            value = _whole_write(n) if root(target) is target else None
+            written[root(target)] = (i, value if value is not None else STALE)
+    return res
+
+
+def _whole_write(n: fx.Node) -> Optional[fx.Node]:
+    """y for `x.copy_(y)` / `x[:] = y` (y of x's shape), else None."""
+    if n.op == "call_method" and n.target == "copy_" and len(n.args) >= 2:
+        target, value = n.args[0], n.args[1]
+    elif n.op == "call_function" and n.target is operator.setitem:
+        target, index, value = n.args
+        whole = (slice(None), Ellipsis)
+        if not (index in whole or isinstance(index, tuple) and all(i in whole for i in index)):
+            return None
+    else:
+        return None
+    tv, vv = example_value(target), example_value(value) if isinstance(value, fx.Node) else None
+    if not isinstance(vv, torch.Tensor) or tuple(vv.shape) != tuple(tv.shape):
+        return None
+    return value
 
 
 def _value_numbering(graph: fx.Graph) -> dict:

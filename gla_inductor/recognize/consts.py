@@ -46,6 +46,20 @@ def is_inplace(node: fx.Node) -> bool:
     return False
 
 
+def _written_in_place(graph: fx.Graph) -> set:
+    """Tensors written in place, and those they are views of: their value depends on where
+    they are read (a mask built with ones() then tril_() is not the ones())."""
+    res = set()
+    for n in graph.nodes:
+        x = n.args[0] if is_inplace(n) and n.args else None
+        while isinstance(x, fx.Node) and x not in res:
+            res.add(x)
+            val = example_value(x)
+            is_view = isinstance(val, torch.Tensor) and val._is_view()
+            x = x.args[0] if is_view and x.args else None
+    return res
+
+
 def freeze(x, canon: dict):
     """A hashable key for node arguments (slices and lists are not hashable)."""
     if isinstance(x, fx.Node):
@@ -81,8 +95,9 @@ class ConstAnalysis:
         self._const: dict[fx.Node, bool] = {}
         self._zeros: dict[fx.Node, bool] = {}
         self._values: dict[fx.Node, Any] = {}
+        mutated = _written_in_place(graph)
         for n in graph.nodes:
-            self._const[n] = self._classify(n)
+            self._const[n] = n not in mutated and self._classify(n)
 
     def _classify(self, n: fx.Node) -> bool:
         val = example_value(n)
@@ -138,7 +153,8 @@ class ConstAnalysis:
     def _arg(self, x):
         if isinstance(x, fx.Node):
             if x.op == "placeholder":
-                return _hint(example_value(x))
+                val = example_value(x)
+                return _ShapeOnly(val) if isinstance(val, torch.Tensor) else _hint(val)
             if x.op != "get_attr" and not self.is_const(x) and not (x in self._values):
                 # Only the shape/device/dtype of a non-const tensor is ever read.
                 return _ShapeOnly(example_value(x))

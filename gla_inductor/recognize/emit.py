@@ -7,6 +7,11 @@ group into one tensor whose axes are given role letters, with one ``einsum`` ove
 factors' base tensors: time-sliced atoms (``k[:, t]``) become the whole base tensor with
 its time axis lettered ``t``, which is what "lifting a loop body to the whole sequence"
 means.
+
+A role whose axis the user's code merged from parts (heads from groups x repeats, B*H) is
+*split*: ``splits["h"] == "AB"`` names its parts with upper-case sub-letters. A factor that
+carries only some parts (the per-group B of Mamba2) is broadcast over the others, and the
+parts are merged back into the role's axis by one reshape.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class LFactor:
     node: fx.Node
     letters: str
     select: tuple = ()  # (axis, index) of `node` fixed first; letters name the axes left
+    # Sizes to reshape the selected node to first, when an axis of it is several letters
+    # merged (one size per letter); () when every axis is one letter.
+    unflatten: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -82,11 +90,12 @@ class Transaction:
 class Emitter:
     """Inserts nodes before `anchor`, giving each a fake `example_value`."""
 
-    def __init__(self, txn: Transaction, anchor: fx.Node, sizes: dict):
+    def __init__(self, txn: Transaction, anchor: fx.Node, sizes: dict, splits: dict | None = None):
         self.txn = txn
         self.graph = txn.graph
         self.anchor = anchor
         self.sizes = sizes  # role letter -> int or (node, axis) that holds that size
+        self.splits = splits or {}  # role letter -> its sub-letters, for merged roles
         self.fake_mode = _fake_mode(self.graph)
 
     def call(self, target, *args, op: str = "call_function", **kwargs) -> fx.Node:
@@ -107,6 +116,13 @@ class Emitter:
 
     # ---- building blocks -------------------------------------------------------------
     def size(self, letter: str):
+        if letter == "1":
+            return 1
+        if letter in self.splits:
+            n = 1
+            for c in self.splits[letter]:
+                n *= self.size(c)
+            return n
         s = self.sizes[letter]
         if isinstance(s, tuple):
             node, axis = s
@@ -116,6 +132,9 @@ class Emitter:
             return self.call("size", node, axis, op="call_method")
         return s
 
+    def split_letters(self, letters: str) -> str:
+        return "".join(self.splits.get(c, c) for c in letters)
+
     def lift(self, group: Group, out: str, full: bool = True) -> fx.Node:
         """One tensor with axes `out` (role letters) equal to the group's product; axes no
         factor has are broadcast (expanded when `full`)."""
@@ -123,20 +142,27 @@ class Emitter:
         scalars = [f.node for f in group.factors if f not in tensors]
         if not tensors:
             raise EmitError("a group without a tensor")
+        xout = self.split_letters(out)
         present = set()
         for f in tensors:
             present |= set(f.letters) - {"1"}
-        if not present <= set(out):
+        if not present <= set(xout):
             raise EmitError(f"group has axes {sorted(present)} outside {out}")
-        inner = "".join(c for c in out if c in present)
+        inner = "".join(c for c in xout if c in present)
         node = self._einsum(tensors, inner)
         for s in scalars:
             node = self.call(torch.mul, node, s)
         if group.coef != 1.0:
             node = self.call(torch.mul, node, group.coef)
-        return self.place(node, inner, out, full)
+        # a merged role some factor has part of is broadcast over its other parts
+        force = set()
+        for r, subs in self.splits.items():
+            if r in out and set(subs) & present:
+                force |= set(subs)
+        node = self.place(node, inner, xout, full, force)
+        return self._merge(node, xout, out, full, present | force)
 
-    def place(self, node: fx.Node, have: str, out: str, full: bool = True) -> fx.Node:
+    def place(self, node: fx.Node, have: str, out: str, full: bool = True, force=frozenset()) -> fx.Node:
         """Insert size-1 axes for letters of `out` missing from `have` (a subsequence)."""
         shape_idx = []
         j = 0
@@ -149,10 +175,20 @@ class Emitter:
             shape_idx.append(slice(None))
         if None in shape_idx:
             node = self.call(operator.getitem, node, tuple(shape_idx))
-            if full:
-                sizes = [self.size(c) if c not in have else -1 for c in out]
+            if full or force:
+                sizes = [self.size(c) if c not in have and (full or c in force) else -1 for c in out]
                 node = self.call("expand", node, *sizes, op="call_method")
         return node
+
+    def _merge(self, node: fx.Node, xout: str, out: str, full: bool, present: set) -> fx.Node:
+        """Reshape the sub-letter axes `xout` into the role axes `out`."""
+        if xout == out:
+            return node
+        sizes = []
+        for c in out:
+            subs = self.splits.get(c, c)
+            sizes.append(self.size(c) if full or set(subs) & present else 1)
+        return self.call("reshape", node, *sizes, op="call_method")
 
     def as_float32(self, node: fx.Node) -> fx.Node:
         if example_value(node).dtype != torch.float32:
@@ -167,24 +203,42 @@ class Emitter:
             node = self.call("expand", node, *sizes, op="call_method")
         return node
 
-    def relayout(self, node: fx.Node, have: str, want: str) -> fx.Node:
-        """From axes `have` to `want`: drops size-1 letters not wanted, permutes, inserts
-        '1' axes."""
-        keep = "".join(c for c in want if c != "1")
+    def relayout(self, node: fx.Node, have, want) -> fx.Node:
+        """From axes `have` to `want`, each a string of role letters (one per axis) or a list
+        of strings (one per axis; several letters for an axis that merges those roles):
+        splits merged axes, drops size-1 letters not wanted, permutes, inserts '1' axes and
+        merges the wanted groups."""
+        if not isinstance(have, str):
+            if any(len(g) > 1 for g in have):
+                node = self.call("reshape", node, *[self.size(c) for g in have for c in g], op="call_method")
+            have = "".join(have)
+        groups = list(want)
+        flat = "".join(groups)
+        keep = "".join(c for c in flat if c != "1" and c in have)  # a role absent here has size 1
         drop = [i for i, c in enumerate(have) if c not in keep]
         for i in reversed(drop):
             node = self.call(torch.squeeze, node, i)
         cur = "".join(c for c in have if c in keep)
         if cur != keep:
             node = self.call(torch.permute, node, tuple(cur.index(c) for c in keep))
-        idx = tuple(None if c == "1" else slice(None) for c in want)
+        if any(len(g) > 1 for g in groups):
+            sizes = []
+            for g in groups:
+                n = 1
+                for c in g:
+                    n = n * self.size(c) if c != "1" else n
+                sizes.append(n)
+            return self.call("reshape", node, *sizes, op="call_method")
+        idx = tuple(slice(None) if c in keep else None for c in flat)
         if None in idx:
             node = self.call(operator.getitem, node, idx)
         return node
 
     def _einsum(self, factors, out: str) -> fx.Node:
-        if len(factors) == 1 and factors[0].letters == out:
-            return self.selected(factors[0])
+        if len(factors) == 1 and factors[0].letters.replace("1", "") == out:
+            node = self.selected(factors[0])
+            ones = [i for i, c in enumerate(factors[0].letters) if c == "1"]
+            return self.call(torch.squeeze, node, tuple(ones)) if ones else node
         dummy = iter("acdefgijlmnopqrsuwxyz")
         specs = []
         for f in factors:
@@ -199,6 +253,8 @@ class Emitter:
         node = f.node
         for axis, index in sorted(f.select, reverse=True):
             node = self.call(torch.select, node, axis, index)
+        if f.unflatten:
+            node = self.call("reshape", node, *f.unflatten, op="call_method")
         return node
 
 
@@ -220,11 +276,14 @@ def sizes_from(factors) -> dict:
         val = example_value(lf.node)
         if not isinstance(val, torch.Tensor):
             continue
+        if lf.unflatten:
+            for c, s in zip(lf.letters, lf.unflatten):
+                if c != "1" and (c not in sizes or sizes[c] == 1):
+                    sizes[c] = s
+            continue
         selected = {a for a, _ in lf.select}
         axes = [a for a in range(val.dim()) if a not in selected]
         for axis, c in zip(axes, lf.letters):
             if c != "1" and (c not in sizes or sizes[c] == 1):
                 sizes[c] = (lf.node, axis)
     return sizes
-
-

@@ -3,11 +3,16 @@
     S_t = S_{t-1} * d_t + k_t (x) v_t        (decay d_t = exp(g_t) over K, or absent)
     o_t = scale * sum_K q_t * S_t             (assembled by stack / cat / o[:, t] = ...)
 
+and its one-step case, the decode step: ``S = S_cache * d + k (x) v; o = q S`` with no time
+axis, the state read from a cache (a graph input) and usually written back into it.
+
 Stages: ``find_steps`` reads every node as a possible state update; ``chains`` links the
-updates S_{t-1} -> S_t; ``find_outputs`` finds the assembly whose elements read the states;
-``analyze_chain`` proves that every step has the same structure with its time index t
-(consecutive, or reversed), maps index variables to roles (batch b/h, key k, value v) and
-returns a ``Match`` whose ``apply`` inserts the GLA op. Anything unproven is a near miss.
+updates S_{t-1} -> S_t; ``find_outputs`` finds the assembly whose elements read the states
+(a single step's read is found among the users of its state); ``analyze_chain`` proves that
+every step has the same structure with its time index t (consecutive, or reversed), maps
+index variables to roles (batch b/h, key k, value v) and returns a ``Match`` whose ``apply``
+inserts the GLA op (``placement.py`` says where, and how the state is written back).
+Anything unproven is a near miss.
 """
 
 from __future__ import annotations
@@ -20,15 +25,15 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .algebra import AV, Analyzer, Factor, Mono, _rank, factor_vars, mono_vars, op_name
+from .algebra import _VIEW_OPS, AV, Analyzer, Factor, Mono, _rank, comps, factor_vars, mono_vars, op_name, out_vars, storage_root
+from .consts import example_value
 from .emit import Emitter, Group, LFactor, sizes_from
-from .match import Match, NearMiss
+from .match import Match, NearMiss, Reject
+from . import placement
 
 BATCH_LETTERS = ("b", "h")
-
-
-class Reject(Exception):
-    """A candidate that is not proven GLA; the message says why."""
+SUB_LETTERS = "ABCDEFGHIJKLMNOPQRSUWXYZ"  # parts of a role the user's code merged
+MAX_READ_DEPTH = 6  # views and casts between a decode step's state and its read
 
 
 @dataclass
@@ -53,7 +58,7 @@ class Read:
 
 @dataclass
 class Assembly:
-    kind: str  # "stack" | "cat" | "setitem"
+    kind: str  # "stack" | "cat" | "setitem" | "read" (a single step's read itself)
     result: fx.Node  # stack/cat node, or the buffer for setitem
     elements: list  # value nodes, in assembly order (time positions)
     dim: int  # the time axis of the result
@@ -63,10 +68,12 @@ class Assembly:
 
 # ---- reading nodes ---------------------------------------------------------------------
 def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
+    if op_name(node) in _VIEW_OPS:
+        return None  # a view or cast of a state is that state, not a further step
     av = an.value(node)
     if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2 or len(av.out) < 2:
         return None
-    out_set = {v for v in av.out if v is not None}
+    out_set = out_vars(av.out)
     decay = outer = None
     prev = None
     for coef, fs in av.terms:
@@ -110,7 +117,7 @@ def diagnose_update(an: Analyzer, node: fx.Node) -> Optional[str]:
     av = an.value(node)
     if av is None or len(av.out) < 2 or parse_step(an, node) is not None:
         return None
-    out_set = {v for v in av.out if v is not None}
+    out_set = out_vars(av.out)
     selfish = [m for m in av.terms if any(_is_full_atom(f, av.out) for f in m[1])]
     if not selfish:
         return None
@@ -134,7 +141,7 @@ def parse_read(an: Analyzer, node: fx.Node, states: dict) -> Optional[Read]:
     if len(sf) != 1:
         return None
     sf = sf[0]
-    summed = mono_vars(av.terms[0]) - {v for v in av.out if v is not None}
+    summed = mono_vars(av.terms[0]) - out_vars(av.out)
     if len(summed) != 1:
         return None
     kvar = next(iter(summed))
@@ -197,34 +204,59 @@ def _time_index(buf, index) -> Optional[tuple]:
 
 
 def _size(node: fx.Node, axis: int):
-    from .consts import example_value
-
     return example_value(node).shape[axis]
 
 
-# ---- the recognizer --------------------------------------------------------------------
+# ---- the recognizers ---------------------------------------------------------------------
+def find_steps(an: Analyzer) -> tuple[dict, list]:
+    """Every state update of the graph, and near misses for updates that are not GLA steps
+    (computed once per graph: the loop and decode recognizers share them)."""
+    if "steps" not in an.memo:
+        steps, near = {}, []
+        for n in an.graph.nodes:
+            st = parse_step(an, n)
+            if st is not None:
+                steps[n] = st
+            else:
+                why = diagnose_update(an, n)
+                if why:
+                    near.append(NearMiss("loop", why, [n]))
+        an.memo["steps"] = (steps, near)
+    return an.memo["steps"]
+
+
 def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
-    graph = an.graph
-    steps = {}
-    near: list[NearMiss] = []
-    for n in graph.nodes:
-        st = parse_step(an, n)
-        if st is not None:
-            steps[n] = st
-        else:
-            why = diagnose_update(an, n)
-            if why:
-                near.append(NearMiss("loop", why, [n]))
-    chains = _chains(steps)
-    outputs = find_outputs(graph)
+    """Time loops: chains of two or more steps."""
+    steps, near = find_steps(an)
+    near = list(near)
+    outputs = find_outputs(an.graph)
     matches = []
-    for chain in chains:
+    for chain in _chains(steps):
         if len(chain) < 2:
             continue
         try:
             matches.append(analyze_chain(an, chain, outputs))
         except Reject as e:
             near.append(NearMiss("loop", str(e), [s.node for s in chain]))
+    return matches, near
+
+
+def recognize_decode(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
+    """One-token decode steps: a single update of a state that comes from outside the graph
+    (a cache), read by a query. Other single updates are left alone: `q (k^T v)` from a zero
+    state, or a bonus term `S + u k^T v` inside a loop, is not a recurrence worth a kernel."""
+    steps, _ = find_steps(an)
+    matches, near = [], []
+    for chain in _chains(steps):
+        st = chain[0]
+        if len(chain) != 1 or st.prev is None:
+            continue
+        if storage_root(st.prev).op not in ("placeholder", "get_attr"):
+            continue
+        try:
+            matches.append(analyze_chain(an, chain, [], single=True))
+        except Reject as e:
+            near.append(NearMiss("decode", str(e), [st.node]))
     return matches, near
 
 
@@ -244,6 +276,30 @@ def _chains(steps: dict) -> list[list[Step]]:
     return chains
 
 
+def _read_of_step(an: Analyzer, st: Step) -> Assembly:
+    """The query read of a single step's new state, among its users (through views)."""
+    states = {st.node: 0}
+    found, frontier, seen = [], [st.node], {st.node}
+    for _ in range(MAX_READ_DEPTH):
+        nxt = []
+        for n in frontier:
+            for u in an.users(n):  # also a read of the cache the new state was copied into
+                if u in seen:
+                    continue
+                seen.add(u)
+                if parse_read(an, u, states) is not None:
+                    found.append(u)
+                elif op_name(u) in _VIEW_OPS or op_name(u) == "mul":
+                    nxt.append(u)
+        frontier = nxt
+    if not found:
+        raise Reject("a one-step state update (decode) whose new state is not read by a query")
+    if len(found) > 1:
+        raise Reject("the new state is read by more than one query")
+    return Assembly("read", found[0], found, -1)
+
+
+# ---- roles and letters -------------------------------------------------------------------
 @dataclass
 class Roles:
     kpos: int
@@ -258,37 +314,113 @@ class Roles:
         return BATCH_LETTERS[self.batch.index(pos)]
 
 
-def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly]) -> Match:
+@dataclass
+class Letters:
+    """Index variables named by role letters. A state axis the code merged from parts
+    (heads = groups x repeats) gets one upper-case sub-letter per part."""
+
+    of_var: dict = field(default_factory=dict)  # var -> letter or sub-letter
+    role_of: dict = field(default_factory=lambda: {c: c for c in "bhtkv1"})
+    splits: dict = field(default_factory=dict)  # role -> its sub-letters
+    sizes: dict = field(default_factory=dict)  # sub-letter -> size
+
+    def groups(self, entries, of_var: Optional[dict] = None) -> list:
+        """Role letters of each axis ('1' for size 1); parts of a role must come whole."""
+        of_var = self.of_var if of_var is None else of_var
+        res = []
+        for e in entries:
+            subs = [of_var.get(c) for c in comps(e)]
+            if None in subs:
+                raise Reject("an output is indexed by an axis the state does not have")
+            res.append(self._collapse(subs) or "1")
+        return res
+
+    def _collapse(self, subs: list) -> str:
+        out = ""
+        while subs:
+            role = self.role_of[subs[0]]
+            parts = list(self.splits.get(role, role))
+            if subs[: len(parts)] != parts:
+                raise Reject("an output axis holds part of a merged axis of the state")
+            subs = subs[len(parts) :]
+            out += role
+        return out
+
+
+def _state_letters(an: Analyzer, out: tuple, roles: Roles) -> Letters:
+    letters = Letters()
+    fresh = iter(SUB_LETTERS)
+    for p, e in enumerate(out):
+        cs = comps(e)
+        if len(cs) == 1:
+            letters.of_var[cs[0]] = roles.letter(p)
+        elif cs:
+            role = roles.letter(p)
+            letters.splits[role] = ""
+            for c in cs:
+                sub = next(fresh)
+                if not isinstance(an.sizes[c], int):
+                    raise Reject("a merged state axis has a symbolic size")
+                letters.of_var[c], letters.role_of[sub], letters.sizes[sub] = sub, role, an.sizes[c]
+                letters.splits[role] += sub
+    return letters
+
+
+def _read_letters(rd: Read, st: Step, letters: Letters) -> dict:
+    """The read's variables named by the letters of the step's (position by position)."""
+    res = {}
+    for e_read, e_state in zip(rd.state_factor.idx, st.av.out):
+        cr, cs = comps(e_read), comps(e_state)
+        if len(cr) != len(cs):
+            raise Reject("the read splits the state's axes differently from its update")
+        for r, s in zip(cr, cs):
+            res[r] = letters.of_var[s]
+    res[rd.kvar] = "k"
+    return res
+
+
+def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly], single: bool = False) -> Match:
     states = {st.node: i for i, st in enumerate(chain)}
-    asm, reads = _assembly_of(an, chain, states, outputs)
+    if single:
+        asm = _read_of_step(an, chain[0])
+        reads = {chain[0].node: parse_read(an, asm.result, states)}
+    else:
+        asm, reads = _assembly_of(an, chain, states, outputs)
     roles = _roles(chain, reads)
     n = len(chain)
-    _check_state_free(chain)
+    _check_state_free(chain, reads)
     time_axes = _time_axes(chain, reads)
     lifted = [_lift_step(an, st, reads.get(st.node), roles, time_axes) for st in chain]
     taus = [lf["tau"] for lf in lifted]
-    if any(t is None for t in taus):
+    reverse = False
+    if single:
+        if taus[0] is not None:
+            raise Reject("a single step reads a time slice")
+    elif any(t is None for t in taus):
         raise Reject("a step reads no time slice of its inputs")
-    if taus == list(range(n)):
-        reverse = False
     elif taus == list(range(n - 1, -1, -1)):
         reverse = True
-    else:
+    elif taus != list(range(n)):
         raise Reject(f"steps read time indices {taus[:6]}..., not consecutive")
-    _check_time_order(asm, reads, {st.node: tau for st, tau in zip(chain, taus)})
-    for key in ("q", "k", "v"):
-        sigs = {lf[key][0] for lf in lifted if lf[key] is not None}
-        if len(sigs) != 1:
-            raise Reject(f"the {key} of the steps differ in structure")
-    decays = [lf["decay"] for lf in lifted[1:]] + ([lifted[0]["decay"]] if chain[0].prev is not None else [])
-    if len({d[0] for d in decays}) != 1:
-        raise Reject("the decay differs in structure between steps")
+    if not single:
+        _check_time_order(asm, reads, {st.node: tau for st, tau in zip(chain, taus)})
+    _check_same_structure(chain, lifted)
     time_sizes = {(node, axis) for lf in lifted for node, axis in lf["time_axes"]}
     for node, axis in time_sizes:
         size = _size(node, axis)
         if size != n:
             raise Reject(f"the loop runs {n} steps over a time axis of size {size}")
-    return _build_match(an, chain, reads, asm, roles, lifted[-1], reverse)
+    return _build_match(an, chain, reads, asm, lifted[-1], reverse)
+
+
+def _check_same_structure(chain: list[Step], lifted: list) -> None:
+    for key in ("q", "k", "v"):
+        sigs = {lf[key][0] for lf in lifted if lf[key] is not None}
+        if len(sigs) != 1:
+            raise Reject(f"the {key} of the steps differ in structure")
+    decays = [lf["decay"] for lf in lifted[1:]] + ([lifted[0]["decay"]] if chain[0].prev is not None else [])
+    if len({d[0] if d is not None else None for d in decays}) > 1:
+        raise Reject("the decay differs in structure between steps")
 
 
 def _check_time_order(asm: Assembly, reads: dict, tau_of: dict) -> None:
@@ -300,10 +432,11 @@ def _check_time_order(asm: Assembly, reads: dict, tau_of: dict) -> None:
         raise Reject("the outputs are not assembled in time order (o[t] must hold step t)")
 
 
-def _check_state_free(chain: list[Step]) -> None:
-    """The inputs of an update must not be computed from the states (a delta rule reads
-    S_{t-1} to form its value; RWKV-style bonuses read it before the update)."""
-    states = {st.node for st in chain}
+def _check_state_free(chain: list[Step], reads: dict) -> None:
+    """The inputs of an update or of a read must not be computed from the states (a delta
+    rule reads S_{t-1} to form its value; RWKV-style bonuses read it before the update).
+    The initial state counts: a decode step's value must not be computed from the cache."""
+    states = {st.node for st in chain} | ({chain[0].prev} if chain[0].prev is not None else set())
     derived: set = set()
     frontier = list(states)
     while frontier:
@@ -312,11 +445,11 @@ def _check_state_free(chain: list[Step]) -> None:
             if u not in derived and u not in states:
                 derived.add(u)
                 frontier.append(u)
-    for st in chain:
-        for _, fs in st.av.terms:
-            for f in fs:
-                if f.kind == "atom" and f.atom.node in derived:
-                    raise Reject("the update reads the state it updates (delta-rule style)")
+    factors = [f for st in chain for _, fs in st.av.terms for f in fs]
+    factors += [f for rd in reads.values() for f in rd.q]
+    for f in factors:
+        if f.kind == "atom" and f.atom.node in derived:
+            raise Reject("the update reads the state it updates (delta-rule style)")
 
 
 def _time_axes(chain: list[Step], reads: dict) -> set:
@@ -365,18 +498,22 @@ def _roles(chain, reads) -> Roles:
     rd = reads[st.node]
     kpos = rd.state_factor.idx.index(rd.kvar)
     out = st.av.out
-    kvar_state = out[kpos]
+    kvars = set(comps(out[kpos]))
     kgroup_vars = set()
     for f in st.outer[1]:
-        if kvar_state in factor_vars(f):
+        if kvars & factor_vars(f):
             kgroup_vars |= factor_vars(f)
-    q_vars_state = set()
-    read_to_state = {v: out[p] for p, v in enumerate(rd.state_factor.idx) if v is not None}
-    for f in rd.q:
-        q_vars_state |= {read_to_state.get(v) for v in factor_vars(f)}
-    cands = [p for p, v in enumerate(out) if p != kpos and v is not None and v not in kgroup_vars and v not in q_vars_state]
+    read_to_state = {}
+    for e_read, e_state in zip(rd.state_factor.idx, out):
+        read_to_state.update(zip(comps(e_read), comps(e_state)))
+    q_vars_state = {read_to_state.get(v) for f in rd.q for v in factor_vars(f)}
+
+    def free(p, avoid):
+        return p != kpos and out[p] is not None and not set(comps(out[p])) & avoid
+
+    cands = [p for p in range(len(out)) if free(p, kgroup_vars | q_vars_state)]
     if not cands:
-        cands = [p for p, v in enumerate(out) if p != kpos and v is not None and v not in kgroup_vars]
+        cands = [p for p in range(len(out)) if free(p, kgroup_vars)]
     if not cands:
         raise Reject("cannot tell the value axis of the state")
     vpos = cands[-1]
@@ -388,29 +525,30 @@ def _roles(chain, reads) -> Roles:
 
 def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_axes: set) -> dict:
     """Per-step structure with index vars replaced by role letters and time slices by 't'."""
-    letter = {v: roles.letter(p) for p, v in enumerate(st.av.out) if v is not None}
-    vvar = st.av.out[roles.vpos]
-    kvar = st.av.out[roles.kpos]
-    ctx = {"taus": set(), "time_axes": set(), "is_time": time_axes}
-    kf = [f for f in st.outer[1] if kvar in factor_vars(f)]
-    vf = [f for f in st.outer[1] if kvar not in factor_vars(f)]
-    if any(vvar in factor_vars(f) for f in kf):
+    letters = _state_letters(an, st.av.out, roles)
+    vvars, kvars = set(comps(st.av.out[roles.vpos])), set(comps(st.av.out[roles.kpos]))
+    ctx = {"taus": set(), "time_axes": set(), "is_time": time_axes, "an": an}
+    kf = [f for f in st.outer[1] if kvars & factor_vars(f)]
+    vf = [f for f in st.outer[1] if not kvars & factor_vars(f)]
+    if any(vvars & factor_vars(f) for f in kf):
         raise Reject("a factor of the outer product spans both K and V")
-    if not any(vvar in factor_vars(f) for f in vf):
+    if not any(vvars & factor_vars(f) for f in vf):
         raise Reject("the update has no value factor along V")
     res = {
-        "k": _group(kf, 1.0, letter, ctx),
-        "v": _group(vf, st.outer[0], letter, ctx),
-        "decay": _decay(an, st, letter, vvar, kvar, ctx),
+        "k": _group(kf, 1.0, letters.of_var, ctx),
+        "v": _group(vf, st.outer[0], letters.of_var, ctx),
+        "decay": _decay(st, letters.of_var, vvars, ctx),
         "q": None,
+        "letters": letters,
+        "state_groups": letters.groups(st.av.out),
     }
     if rd is not None:
-        rletter = {v: letter[st.av.out[p]] for p, v in enumerate(rd.state_factor.idx) if v is not None}
-        rletter[rd.kvar] = "k"
         if rd.state is not st.node:
             raise Reject("an output reads a state other than the one its step produced")
+        rletter = _read_letters(rd, st, letters)
         res["q"] = _group(rd.q, 1.0, rletter, ctx, allow_empty=False)
         res["scale"] = rd.coef
+        res["read_groups"] = letters.groups(rd.av.out, rletter)
     taus = ctx["taus"]
     if len(taus) > 1:
         raise Reject(f"one step reads several time indices {sorted(taus)}")
@@ -424,50 +562,68 @@ def _group(factors, coef, letter, ctx, allow_empty=True):
     lfs = []
     for f in factors:
         if f.kind in ("const", "scalar"):
-            lfs.append(LFactor(f.node, _letters(f.idx, letter)))
+            lfs.append(_lfactor(f.node, (), [_axis(e, letter, ctx) for e in f.idx]))
             continue
         if f.kind != "atom":
             raise Reject(f"an input factor is a {f.kind}, expected a tensor")
         lfs.append(_atom_lfactor(f, letter, ctx))
     if not lfs and not allow_empty:
         raise Reject("an output has no query factor")
-    sig = (coef, tuple(sorted((lf.node.name, lf.letters, lf.select) for lf in lfs)))
+    sig = (coef, tuple(sorted(_lf_key(lf) for lf in lfs)))
     return sig, Group(coef, tuple(lfs))
 
 
-def _letters(idx, letter) -> str:
-    out = ""
-    for v in idx:
-        if v is None:
-            out += "1"
-        elif v in letter:
-            out += letter[v]
-        else:
-            raise Reject("an input is indexed by an axis the state does not have")
-    return out
+def _lf_key(lf: LFactor) -> tuple:
+    return (lf.node.name, lf.letters, lf.select, lf.unflatten)
+
+
+def _axis(entry, letter, ctx) -> tuple:
+    """(letters, sizes) of one axis: '1' for size 1, several letters for an axis the code
+    merged from roles (with the size of each)."""
+    if entry is None:
+        return "1", (1,)
+    cs = comps(entry)
+    if any(c not in letter for c in cs):
+        raise Reject("an input is indexed by an axis the state does not have")
+    return "".join(letter[c] for c in cs), tuple(ctx["an"].sizes[c] for c in cs)
 
 
 def _atom_lfactor(f: Factor, letter, ctx) -> LFactor:
     atom = f.atom
-    letters = list(_letters(f.idx, letter))
-    select = []
+    axes = [_axis(e, letter, ctx) for e in f.idx]  # per free axis of the atom
+    select, time = [], []
     for axis, index in atom.fixed:
         if (atom.node, axis) in ctx["is_time"]:
             ctx["taus"].add(index)
             ctx["time_axes"].add((atom.node, axis))
+            time.append(axis)
         else:
             select.append((axis, index))
-    time = [a for a, _ in atom.fixed if (atom.node, a) in ctx["is_time"]]
     if len(time) > 1:
         raise Reject("an input is indexed by the step at more than one position")
-    if time:
-        # letters name the axes left after every fixed axis; put 't' back among them
-        remaining = [a for a in range(_rank(atom.node)) if a not in {a for a, _ in select}]
-        letters.insert(remaining.index(time[0]), "t")
-    return LFactor(atom.node, "".join(letters), tuple(select))
+    free = atom.free_axes()
+    selected = {a for a, _ in select}
+    # letters name the axes left after every fixed non-time axis; 't' back among them
+    per_axis = [("t", None) if a in time else axes[free.index(a)] for a in range(_rank(atom.node)) if a not in selected]
+    return _lfactor(atom.node, tuple(select), per_axis)
 
 
-def _decay(an: Analyzer, st: Step, letter, vvar, kvar, ctx):
+def _lfactor(node: fx.Node, select: tuple, per_axis: list) -> LFactor:
+    """An LFactor, unflattening the axes that carry several letters."""
+    letters = "".join(ls for ls, _ in per_axis)
+    if all(len(ls) == 1 for ls, _ in per_axis):
+        return LFactor(node, letters, select)
+    shape = example_value(node).shape
+    axes = [a for a in range(len(shape)) if a not in {a for a, _ in select}]
+    sizes = []
+    for a, (ls, sz) in zip(axes, per_axis):
+        sizes += [shape[a]] if len(ls) == 1 else list(sz)
+    if not all(isinstance(s, int) for s in sizes):
+        raise Reject("an input's merged axis has a symbolic size")
+    return LFactor(node, letters, select, tuple(sizes))
+
+
+def _decay(st: Step, letter, vvars, ctx):
     """(signature, gate description) of the decay monomial of a step."""
     if st.decay is None:
         return None
@@ -476,7 +632,7 @@ def _decay(an: Analyzer, st: Step, letter, vvar, kvar, ctx):
         raise Reject("the decay factor is not positive")
     terms = []  # (coef, LFactor list, is_log) : log-gate = sum of terms
     for f in fs:
-        if vvar in factor_vars(f):
+        if vvars & factor_vars(f):
             raise Reject("the gate is broadcast over V, expected over K")
         if f.kind == "exp":
             for c, inner in f.inner:
@@ -487,7 +643,7 @@ def _decay(an: Analyzer, st: Step, letter, vvar, kvar, ctx):
             terms.append((1.0, (_atom_lfactor(f, letter, ctx),), True))
         else:
             raise Reject("the decay is not exp(...) of a log-gate or a positive constant")
-    sig = (coef, tuple(sorted((c, tuple((lf.node.name, lf.letters, lf.select) for lf in lfs), lg) for c, lfs, lg in terms)))
+    sig = (coef, tuple(sorted((c, tuple(_lf_key(lf) for lf in lfs), lg) for c, lfs, lg in terms)))
     return sig, (coef, terms)
 
 
@@ -498,31 +654,37 @@ def _positive(node: fx.Node) -> bool:
 
 
 # ---- building the replacement -------------------------------------------------------------
-def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
+def _build_match(an, chain, reads, asm, last, reverse) -> Match:
     st_last = chain[-1]
     head = chain[0]
+    single = asm.kind == "read"
+    letters = last["letters"]
     decay = last["decay"]
-    gate_kind, gate_letters = _gate_kind(decay)
-    out_letters = _assembly_letters(asm, reads, st_last, roles)
-    state_letters = "".join(roles.letter(p) if v is not None else "1" for p, v in enumerate(st_last.av.out))
+    gate_kind, gate_letters = _gate_kind(decay, letters)
+    out_groups = _assembly_groups(asm, last["read_groups"])
     scale = last["scale"]
-    sizes = _role_sizes(last)
-    shapes = {c.upper(): _size(*sizes[c]) if isinstance(sizes[c], tuple) else sizes[c] for c in "bthkv" if c in sizes}
+    sizes = _role_sizes(last, letters, single)
+    shapes = {c.upper(): _shape(sizes, letters, c) for c in "bthkv"}
     q_layout = last["q"][1].factors[0].letters if last["q"][1].factors else ""
+    plan = placement.plan(an, [s.node for s in chain], reads, asm, _dependencies(last, head), head.prev)
 
     def apply(txn) -> None:
-        _check_before(an, asm, _dependencies(last, head))
-        anchor = _anchor(an, asm)
-        em = Emitter(txn, anchor, sizes)
-        op, o, ht = _emit_op(em, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse)
-        o_user = _cast(em, em.relayout(o, "bthv", out_letters), asm.result)
-        ht_user = _cast(em, em.relayout(ht, "bhkv", state_letters), st_last.node)
-        _rewire(txn, asm, o_user, st_last.node, ht_user)
+        em = Emitter(txn, plan.anchor, sizes, letters.splits)
+        inputs = _emit_inputs(em, last, decay, gate_kind, gate_letters)
+        wb = plan.fused_write_back()
+        if wb is not None:
+            o = placement.emit_fused(em, inputs, wb, last["state_groups"], scale, reverse)
+            placement.rewire(txn, asm, _cast(em, em.relayout(o, "bthv", out_groups), asm.result), None, None)
+            return
+        op, o, ht = _emit_op(em, inputs, head, last["state_groups"], scale, reverse)
+        o_user = _cast(em, em.relayout(o, "bthv", out_groups), asm.result)
+        ht_user = _cast(em, em.relayout(ht, "bhkv", last["state_groups"]), st_last.node)
+        placement.rewire(txn, asm, o_user, st_last.node, ht_user)
         if not ht_user.users:  # nobody reads the final state: the kernel need not store it
             op.update_arg(7, False)
 
     return Match(
-        form="loop",
+        form="decode" if single else "loop",
         gate=gate_kind,
         layout=q_layout,
         shapes=shapes,
@@ -532,51 +694,70 @@ def _build_match(an, chain, reads, asm, roles, last, reverse) -> Match:
     )
 
 
-def _gate_kind(decay):
+def _gate_kind(decay, letters: Letters):
     if decay is None:
         return "none", ""
     coef, terms = decay[1]
-    letters = set()
+    roles = set()
     for _, lfs, _ in terms:
         for lf in lfs:
-            letters |= set(lf.letters) - {"1"}
+            roles |= {letters.role_of.get(c, c) for c in lf.letters} - {"1"}
     if not terms and coef == 1.0:
         return "none", ""
-    if "k" in letters:
+    if "k" in roles:
         return "vector", "bthk"
-    if "t" in letters or "b" in letters:
+    if "t" in roles or "b" in roles:
         return "scalar", "bth"
     return "constant", "h"
 
 
-def _assembly_letters(asm: Assembly, reads: dict, st_last: Step, roles: Roles) -> str:
-    rd = reads[st_last.node]
-    state_letter = {v: roles.letter(p) for p, v in enumerate(rd.state_factor.idx) if v is not None}
-    elem = "".join(state_letter.get(v, "?") if v is not None else "1" for v in rd.av.out)
-    if "?" in elem or "k" in elem:
-        raise Reject("the output keeps an axis that is not batch or V")
+def _assembly_groups(asm: Assembly, elem: list) -> list:
+    """The role letters of each axis of the user's output."""
+    if any("k" in g for g in elem):
+        raise Reject("the output keeps the key axis")
+    if asm.kind == "read":
+        return elem
     if asm.kind == "stack":
-        return elem[: asm.dim] + "t" + elem[asm.dim :]
+        return elem[: asm.dim] + ["t"] + elem[asm.dim :]
     if asm.kind == "cat":
         if elem[asm.dim] != "1":
             raise Reject("the concatenated outputs are not one step long")
-        return elem[: asm.dim] + "t" + elem[asm.dim + 1 :]
+        return elem[: asm.dim] + ["t"] + elem[asm.dim + 1 :]
     # setitem: the value broadcasts into the slot (the buffer without its time axis)
-    rank = _rank(asm.result)
-    slot = rank - 1
-    if len(elem) > slot:
-        elem = elem.lstrip("1")
+    slot = _rank(asm.result) - 1
+    while len(elem) > slot and elem[0] == "1":
+        elem = elem[1:]
     if len(elem) != slot:
         raise Reject("the written output does not fill the buffer slot")
-    return elem[: asm.dim] + "t" + elem[asm.dim :]
+    return elem[: asm.dim] + ["t"] + elem[asm.dim :]
 
 
-def _role_sizes(last) -> dict:
+def _role_sizes(last, letters: Letters, single: bool) -> dict:
     factors = [lf for key in ("q", "k", "v") for lf in last[key][1].factors]
-    return sizes_from(factors)
+    sizes = sizes_from(factors)
+    sizes.update(letters.sizes)
+    if single:
+        sizes["t"] = 1
+    return sizes
 
 
-def _emit_op(em: Emitter, last, decay, gate_kind, gate_letters, head, state_letters, scale, reverse):
+def _shape(sizes: dict, letters: Letters, c: str):
+    if c in letters.splits:
+        return math.prod(letters.sizes[s] for s in letters.splits[c])
+    s = sizes.get(c, 1)
+    return _size(*s) if isinstance(s, tuple) else s
+
+
+@dataclass
+class Inputs:
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    g: Optional[fx.Node]
+    g_gamma: Optional[fx.Node]
+
+
+def _emit_inputs(em: Emitter, last, decay, gate_kind, gate_letters) -> Inputs:
     q = em.lift(last["q"][1], "bthk")
     k = em.lift(last["k"][1], "bthk")
     v = em.lift(last["v"][1], "bthv")
@@ -587,11 +768,15 @@ def _emit_op(em: Emitter, last, decay, gate_kind, gate_letters, head, state_lett
             g_gamma = gate
         else:
             g = gate
+    return Inputs(q, k, v, g, g_gamma)
+
+
+def _emit_op(em: Emitter, x: Inputs, head, state_groups, scale, reverse):
     h0 = None
     if head.prev is not None:
-        h0 = em.as_float32(em.relayout(head.prev, state_letters, "bhkv"))
+        h0 = em.as_float32(em.relayout(head.prev, state_groups, "bhkv"))
     op = em.call(
-        torch.ops.gla_inductor.chunk_fwd.default, q, k, v, g, g_gamma, h0, float(scale), True, reverse
+        torch.ops.gla_inductor.chunk_fwd.default, x.q, x.k, x.v, x.g, x.g_gamma, h0, float(scale), True, reverse
     )
     o = em.call(operator.getitem, op, 0)
     ht = em.call(operator.getitem, op, 1)
@@ -617,19 +802,10 @@ def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
 
 
 def _cast(em: Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
-    from .consts import example_value
-
     want = example_value(like).dtype
     if example_value(node).dtype != want:
         node = em.call("to", node, want, op="call_method")
     return node
-
-
-def _anchor(an: Analyzer, asm: Assembly) -> fx.Node:
-    """Insert the op right before the first node that consumes the assembled output."""
-    if asm.kind == "setitem":
-        return max(asm.setitems, key=lambda n: an.order[n]).next
-    return asm.result
 
 
 def _dependencies(last, head) -> list:
@@ -639,27 +815,3 @@ def _dependencies(last, head) -> list:
     if head.prev is not None:
         deps.append(head.prev)
     return deps
-
-
-def _check_before(an: Analyzer, asm: Assembly, deps: list) -> None:
-    """Every input of the op precedes the assembled output (positions of the analyzed graph;
-    inserting other matches' nodes does not reorder these)."""
-    last = max(asm.setitems, key=lambda n: an.order[n]) if asm.kind == "setitem" else asm.result
-    late = [d.name for d in deps if an.order[d] >= an.order[last]]
-    if late:
-        raise Reject(f"inputs {late} are computed after the output is used")
-
-
-def _rewire(txn, asm: Assembly, o_user: fx.Node, state: fx.Node, ht_user: fx.Node) -> None:
-    order = {n: i for i, n in enumerate(txn.graph.nodes)}
-    pos = order[o_user]
-    if asm.kind == "setitem":
-        txn.erase += asm.setitems
-        for u in list(asm.result.users):
-            if order[u] > pos:
-                txn.replace_input(u, asm.result, o_user)
-    else:
-        txn.replace_all_uses(asm.result, o_user)
-    for u in list(state.users):
-        if order.get(u, -1) > pos:
-            txn.replace_input(u, state, ht_user)

@@ -8,6 +8,10 @@ from typing import Callable
 import torch.fx as fx
 
 
+class Reject(Exception):
+    """A candidate that is not proven GLA (or cannot be replaced safely); the message says why."""
+
+
 @dataclass
 class Match:
     form: str  # "loop" | "parallel"
@@ -17,6 +21,7 @@ class Match:
     nodes: list  # the user's nodes that the match covers (for source lines)
     apply: Callable  # apply(graph) -> None; inserts the GLA op and rewires
     options: dict = field(default_factory=dict)  # reverse, initial_state, scale
+    covers: set = field(default_factory=set)  # further nodes the replacement makes dead
 
     def source_lines(self) -> list[str]:
         return source_lines(self.nodes)

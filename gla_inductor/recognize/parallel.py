@@ -18,11 +18,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .algebra import AV, Analyzer, Factor, factor_vars, mono_vars
+from .algebra import AV, Analyzer, Factor, comps, factor_vars, mono_vars
 from .consts import _hint, example_value
 from .emit import Emitter, Group, LFactor, sizes_from
-from .loop import Reject, _cast
+from .loop import Reject, _cast, _lfactor
 from .match import Match, NearMiss
+from . import placement
 
 
 @dataclass
@@ -44,12 +45,22 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         av = an.value(n)
         if _looks_parallel(av):
             candidates[n] = av
-    for n, av in candidates.items():
-        # Prefer the outermost spelling: a cast or scale of a candidate extends it.
-        if any(u in candidates and _same_inputs(candidates[u], av) for u in n.users):
+    covered = set()  # candidates replaced, or computed from a replaced one
+    for n, av in candidates.items():  # in graph order
+
+        def extends(u) -> bool:  # u is n cast or scaled: the same GLA with the same inputs
+            return u in candidates and _same_inputs(candidates[u], av)
+
+        # Prefer the outermost spelling when nothing but its extensions reads n; a value that
+        # something else reads too is replaced itself, and its extensions follow from it.
+        if n.users and all(extends(u) for u in n.users):
+            continue
+        if any(a in covered and _same_inputs(candidates[a], av) for a in n.all_input_nodes):
+            covered.add(n)
             continue
         try:
             matches.append(_analyze(an, n, av))
+            covered.add(n)
         except Reject as e:
             near.append(NearMiss("parallel", str(e), [n]))
     return matches, near
@@ -136,7 +147,52 @@ def _analyze(an: Analyzer, node: fx.Node, av: AV) -> Match:
     if not torch.all(mask[tri] == 1):
         raise Reject("the mask is not a 0/1 mask")
     gate = _gate(an, exps, r, letter)
+    keys = {r.q.atom.node, r.k.atom.node} | {g.atom.node for f in exps for _, gs in f.inner for g in gs if g.kind == "atom"}
+    if depends_on(an, r.v.atom.node, keys):
+        raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
+    _check_unmodified(an, node, av)
     return _build(an, node, av, r, letter, gate, coef, scalars)
+
+
+def _check_unmodified(an: Analyzer, node: fx.Node, av: AV) -> None:
+    """The op reads its inputs where `node` is; the expression read them at its own nodes:
+    no in-place write to an input may fall in between."""
+    atoms = set()
+
+    def visit(factors):
+        for f in factors:
+            if f.kind == "atom":
+                atoms.add(f.atom.node)
+            elif f.node is not None:
+                atoms.add(f.node)
+            for _, inner in f.inner:
+                visit(inner)
+
+    visit(av.terms[0][1])
+    seen, frontier = set(), [node]
+    while frontier:  # the expression: the nodes between the atoms and `node`
+        n = frontier.pop()
+        for x in n.all_input_nodes:
+            if x not in atoms and x not in seen and not an.consts.is_const(x):
+                seen.add(x)
+                frontier.append(x)
+    start = min((an.order[n] for n in seen), default=an.order[node])
+    placement.check_unmodified(an, list(atoms), start, an.order[node])
+
+
+def depends_on(an: Analyzer, node: fx.Node, targets: set) -> bool:
+    """Whether `node` is computed from one of `targets` (searching only nodes after them)."""
+    start = min(an.order[t] for t in targets)
+    seen, frontier = set(), [node]
+    while frontier:
+        n = frontier.pop()
+        for x in n.all_input_nodes:
+            if x in targets:
+                return True
+            if x not in seen and an.order[x] > start:
+                seen.add(x)
+                frontier.append(x)
+    return False
 
 
 def _mask_product(an: Analyzer, masks: list, r: Roles) -> Optional[torch.Tensor]:
@@ -273,12 +329,26 @@ def _constant_gate(an: Analyzer, const_terms, r: Roles, letter: dict) -> Gate:
 
 
 def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float, scalars: list) -> Match:
+    def axis(x, tvar) -> tuple:
+        """(letters, sizes) of one axis: several letters where the code merged roles (a [B, T, H * K]
+        projection viewed as [B, T, H, K] is read through the view, merged)."""
+        if x is None:
+            return "1", (1,)
+        if x == tvar:
+            return "t", None
+        cs = comps(x)
+        if any(c not in letter for c in cs):
+            raise Reject("an input is indexed by an axis that is not a role")
+        return "".join(letter[c] for c in cs), tuple(an.sizes[c] for c in cs)
+
     def lf(f: Factor, tvar: int) -> LFactor:
-        letters = "".join("1" if x is None else ("t" if x == tvar else letter[x]) for x in f.idx)
-        return LFactor(f.atom.node, letters, f.atom.fixed)
+        return _lfactor(f.atom.node, f.atom.fixed, [axis(x, tvar) for x in f.idx])
 
     q, k, v = lf(r.q, r.i), lf(r.k, r.j), lf(r.v, r.j)
-    out_letters = "".join("1" if x is None else ("t" if x == r.i else letter[x]) for x in av.out)
+    out_axes = [axis(x, r.i) for x in av.out]
+    if any(len(ls) > 1 for ls, _ in out_axes):
+        raise Reject("the output merges role axes")
+    out_letters = "".join(ls for ls, _ in out_axes)
     sizes = sizes_from([q, k, v])
     if not all(c in sizes for c in "tkv"):
         raise Reject("the sizes of the inputs could not be read")

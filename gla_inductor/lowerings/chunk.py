@@ -1,0 +1,294 @@
+"""Inductor lowerings of ``gla_inductor::chunk_fwd`` and ``chunk_bwd``: the chunked GLA kernels as
+``TritonTemplate`` choices, so compiled graphs run them as generated code (epilogues fused into the
+main output's store, autotuned under max-autotune) instead of an extern call to the eager op.
+
+The templates are the jinja sources of ``gla_inductor/templates/``, which the eager CUDA path renders
+standalone (``templates/standalone.py``); tiles and options come from ``triton_chunk``, so a compiled
+graph and an eager call run the same kernels with the same configuration. The schedule is the fused
+one of ``triton_chunk`` (forward: one scan; backward: states scan, dual scan, dq/dk/dg).
+
+Anything the kernels do not cover (CPU without Inductor's Triton backend, head sizes past the
+kernels' limits, float64, a config switch) lowers to the eager op as an extern kernel; the reason is
+logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+from torch._inductor import ir
+from torch._inductor.lowering import empty_strided, fallback_handler, lowerings, register_lowering, to_dtype
+from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, autotune_select_algorithm
+from torch._inductor.virtualized import V
+from torch.utils._sympy.functions import CeilDiv
+
+from ..cuda_dispatch import _unsupported, gate_kind
+from ..templates.standalone import OUT, load_template, render_source
+from ..triton_chunk import ChunkConfig, TileConfig, default_config, dqkg_block_k, kernel_options
+
+log = logging.getLogger("gla_inductor")
+aten = torch.ops.aten
+gla = torch.ops.gla_inductor
+
+# ----------------------------------------------------------------------------------------------
+# templates and grids
+# ----------------------------------------------------------------------------------------------
+
+
+@SymbolicGridFn
+def _scan_grid(BH, V, meta, *, cdiv):
+    """How is gla_chunk_scan parallelized? One program per (value tile, batch * head) walks all
+    chunks in order with its state slice on chip (see ``triton_chunk.scan_grid``)."""
+    return (cdiv(V, meta["BV"]), BH, 1)
+
+
+@SymbolicGridFn
+def _dqkg_grid(K, T, BH, meta, *, cdiv):
+    """How is gla_chunk_bwd_dqkg parallelized? One program per (key tile, chunk, batch * head): with
+    the states in HBM the chunks are independent (see ``triton_chunk.chunk_grid``)."""
+    return (cdiv(K, meta["BK"]), cdiv(T, meta["BT"]), BH)
+
+
+def _template(name: str, grid) -> TritonTemplate:
+    # a kernel's source is its template followed by the shared @triton.jit helpers
+    return TritonTemplate(name=name, grid=grid, source=load_template(name) + "\n" + load_template("gla_common"))
+
+
+SCAN = _template("gla_chunk_scan", _scan_grid)
+DQKG = _template("gla_chunk_bwd_dqkg", _dqkg_grid)
+
+# the named arguments each template writes with tl.store (its main output goes through store_output)
+_WRITTEN = {SCAN.name: ("h", "ht"), DQKG.name: ("dk", "dg")}
+
+# ----------------------------------------------------------------------------------------------
+# when to lower to the templates
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """What ``cuda_dispatch._unsupported`` reads of a tensor, for an IR node (size hints)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    shape: tuple
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def _meta(x) -> Optional[_Meta]:
+    if x is None:
+        return None
+    sizes = tuple(V.graph.sizevars.optimization_hint(s) for s in x.get_size())
+    return _Meta(x.get_device(), x.get_dtype(), sizes)
+
+
+def _why_not(q, k, v, g, g_gamma, initial_state) -> Optional[str]:
+    """None when the templates can run these inputs, else the reason to fall back."""
+    device = q.get_device()
+    if device.type == "cpu" and inductor_config.cpu_backend != "triton":
+        return "CPU tensors (Inductor's CPU backend is not Triton)"
+    K, Vd = q.get_size()[-1], v.get_size()[-1]
+    if not (isinstance(K, int) or K.is_number) or not (isinstance(Vd, int) or Vd.is_number):
+        return "dynamic head sizes (K and V set the kernels' tiles)"
+    if any(V.graph.sizevars.statically_known_equals(s, 0) for s in q.get_size()[:3]):
+        return "an empty batch, sequence or head dimension"
+    return _unsupported(*map(_meta, (q, k, v, g, g_gamma, initial_state)))
+
+
+@functools.cache
+def _note_fallback(op: str, reason: str) -> None:
+    log.info("gla_inductor: %s lowers to an extern call of the eager op: %s", op, reason)
+
+
+def _fallback(op, reason: str, *args):
+    _note_fallback(str(op), reason)
+    return fallback_handler(op, add_to_fallback_set=False)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# building template calls
+# ----------------------------------------------------------------------------------------------
+
+
+def _cdiv(a, b: int):
+    return -(-a // b) if isinstance(a, int) else CeilDiv(a, b)
+
+
+def _layout(device, dtype, size) -> ir.FixedLayout:
+    return ir.FixedLayout(device, dtype, list(size))  # contiguous
+
+
+def _empty(size, dtype, device):
+    return empty_strided(list(size), None, dtype=dtype, device=device)
+
+
+def _arg_names(template: TritonTemplate, options: dict, tensors: dict) -> tuple[str, ...]:
+    """The template's kernel arguments, in its ``def_kernel`` order: its jinja decides which tensors a
+    mode reads, so ask it (a standalone render is cheap) rather than repeating that logic here."""
+    ndims = {n: len(t.get_size()) for n, t in tensors.items()}
+    ndims[OUT] = 5  # any rank the main output may have
+    _, helpers = render_source((template.name, "gla_common"), template.name, options, ndims)
+    return helpers.pointers
+
+
+def _tile_choices(default: TileConfig, V: int) -> list[TileConfig]:
+    """The heuristic tiles, plus a small search space under max-autotune."""
+    if not inductor_config.max_autotune:
+        return [default]
+    widest = max(16, 1 << max(V - 1, 0).bit_length())
+    tiles = [default]
+    for block_v in (32, 64, 128):
+        for num_warps in (4, 8):
+            t = TileConfig(block_v=min(block_v, widest), num_warps=num_warps, num_stages=2, block_k=default.block_k)
+            if t not in tiles:
+                tiles.append(t)
+    return tiles
+
+
+def _gate_inputs(gate_index: Optional[int]):
+    """Benchmark inputs for autotuning: gates as models make them (log-sigmoid), not randn, whose
+    positive values would take the kernels' rare paths."""
+    if gate_index is None:
+        return None
+
+    def gen(node):
+        size = [V.graph.sizevars.optimization_hint(s) for s in node.get_size()]
+        x = torch.randn(size, device=node.get_device(), dtype=torch.float32)
+        return F.logsigmoid(x).to(node.get_dtype())
+
+    return {gate_index: gen}
+
+
+class _Plan:
+    """Sizes, tiles and shared options of one lowered forward or backward call."""
+
+    def __init__(self, q, v, g, g_gamma, scale: float, reverse: bool, dtype: torch.dtype):
+        self.device = q.get_device()
+        self.B, self.T, self.H, self.K = q.get_size()
+        self.V = v.get_size()[-1]
+        hint = V.graph.sizevars.optimization_hint
+        gate = gate_kind(_meta(g), _meta(g_gamma))
+        self.cfg: ChunkConfig = default_config(hint(self.B), hint(self.T), hint(self.H), int(self.K), int(self.V),
+                                               dtype, gate == "vector", self.device)
+        interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
+        self.options = kernel_options(self.cfg, dtype, int(self.K), gate, scale, reverse, interpreting)
+        self.gates = dict(g=g, g_gamma=g_gamma)
+
+    def states_size(self):
+        return (self.B, _cdiv(self.T, self.cfg.block_t), self.H, self.K, self.V)
+
+    def scan(self, layout, tiles: TileConfig, *, write_out: bool, dual: bool, store_states: bool, **tensors):
+        """gla_chunk_scan (see its template): returns the main output; ``h`` and ``ht`` are written."""
+        tensors = {n: t for n, t in {**tensors, **self.gates}.items() if t is not None}
+        options = dict(self.options, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
+                       USE_H0="h0" in tensors, STORE_HT="ht" in tensors)
+        return self._select(SCAN, options, tensors, layout, [self.B * self.H, self.V],
+                            [dict(BV=t.block_v, tiles=t) for t in _tile_choices(tiles, int(self.V))])
+
+    def dqkg(self, layout, **tensors):
+        """gla_chunk_bwd_dqkg: returns dq; ``dk`` and ``dg`` are written."""
+        tensors = {n: t for n, t in {**tensors, **self.gates}.items() if t is not None}
+        block_k = dqkg_block_k(self.cfg, self.options)
+        tiles = self.cfg.dqkg
+        return self._select(DQKG, dict(self.options), tensors, layout, [self.K, self.T, self.B * self.H],
+                            [dict(BK=block_k, BV=tiles.block_v, tiles=tiles)])
+
+    def _select(self, template: TritonTemplate, options: dict, tensors: dict, layout, call_sizes, variants):
+        names = _arg_names(template, {**options, **variants[0], "tiles": None}, tensors)
+        nodes = [tensors[n] for n in names]
+        written = [tensors[n] for n in names if n in _WRITTEN[template.name]]
+        choices: list[Any] = []
+        for variant in variants:
+            tiles = variant.pop("tiles")
+            error = template.maybe_append_choice(
+                choices, input_nodes=nodes, layout=layout, mutated_inputs=written or None, call_sizes=call_sizes,
+                num_stages=tiles.num_stages, num_warps=tiles.num_warps, **{**options, **variant})
+            if error is not None:
+                raise error
+        gate_index = names.index("g") if "g" in names else None
+        result = autotune_select_algorithm(template.name, choices, nodes, layout,
+                                           input_gen_fns=_gate_inputs(gate_index))
+        # torch 2.11 returns the node, 2.13+ a (node, choice) pair
+        return result[0] if isinstance(result, tuple) else result
+
+
+def _inputs(q, k, v):
+    """q, k, v realized in their promoted dtype (a cast only where they differ)."""
+    dtype = torch.promote_types(torch.promote_types(q.get_dtype(), k.get_dtype()), v.get_dtype())
+    cast = [x if x.get_dtype() == dtype else to_dtype(x, dtype) for x in (q, k, v)]
+    return dtype, [ir.ExternKernel.realize_input(x) for x in cast]
+
+
+def _realize(x):
+    return None if x is None else ir.ExternKernel.realize_input(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# the lowerings
+# ----------------------------------------------------------------------------------------------
+
+
+@register_lowering(gla.chunk_fwd.default, type_promotion_kind=None)
+def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
+    args = (q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
+    reason = _why_not(q, k, v, g, g_gamma, initial_state)
+    if reason is not None:
+        return _fallback(gla.chunk_fwd.default, reason, *args)
+    dtype, (q, k, v) = _inputs(q, k, v)
+    g, g_gamma, initial_state = map(_realize, (g, g_gamma, initial_state))
+    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype)
+    B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
+    ht = _empty((B, H, K, Vd) if output_final_state else (0,), torch.float32, plan.device)
+    o = plan.scan(_layout(plan.device, dtype, (B, T, H, Vd)), plan.cfg.scan, write_out=True, dual=False,
+                  store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht if output_final_state else None)
+    return o, ht
+
+
+@register_lowering(gla.chunk_bwd.default, type_promotion_kind=None)
+def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
+    args = (q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    reason = _why_not(q, k, v, g, g_gamma, initial_state)
+    if reason is not None:
+        return _fallback(gla.chunk_bwd.default, reason, *args)
+    # gradients keep their inputs' dtypes (the kernels convert on store)
+    q_dtype, k_dtype, v_dtype = q.get_dtype(), k.get_dtype(), v.get_dtype()
+    dtype, (q, k, v) = _inputs(q, k, v)
+    g, g_gamma, initial_state, do, dht = map(_realize, (g, g_gamma, initial_state, do, dht))
+    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype)
+    cfg, device = plan.cfg, plan.device
+    B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
+
+    # h: the state entering every chunk
+    h = plan.scan(_layout(device, cfg.states_dtype, plan.states_size()), cfg.states, write_out=False, dual=False,
+                  store_states=True, k=k, v=v, h0=initial_state)
+    # the dual scan of dS = dL/dS: dv (main output), dh (dS leaving every chunk), dh0
+    dh = _empty(plan.states_size(), cfg.states_dtype, device)
+    dh0 = (_empty(initial_state.get_size(), initial_state.get_dtype(), device) if initial_state is not None
+           else _empty((0,), q_dtype, device))
+    dv = plan.scan(_layout(device, v_dtype, (B, T, H, Vd)), cfg.dual, write_out=True, dual=True, store_states=True,
+                   q=q, k=k, v=do, h0=dht, h=dh, ht=dh0 if initial_state is not None else None)
+    # dq (main output), dk, dg; a constant gate's per-step gradients are summed over batch and time
+    dk = _empty((B, T, H, K), k_dtype, device)
+    if g is not None:
+        dg = _empty(g.get_size(), g.get_dtype(), device)
+    elif g_gamma is not None:
+        dg = _empty((B, T, H), torch.float32, device)
+    else:
+        dg = None
+    dq = plan.dqkg(_layout(device, q_dtype, (B, T, H, K)), q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg)
+    if g_gamma is not None:
+        dg_gamma = to_dtype(lowerings[aten.sum.dim_IntList](dg, [0, 1]), g_gamma.get_dtype())
+        dg = _empty((0,), q_dtype, device)
+    else:
+        dg_gamma = _empty((0,), q_dtype, device)
+    if dg is None:
+        dg = _empty((0,), q_dtype, device)
+    return dq, dk, dv, dg, dg_gamma, dh0

@@ -1,0 +1,696 @@
+"""The chunked form: GLA computed chunk by chunk with no Python loop, as Mamba2's SSD scan is
+written in transformers (``mamba2_chunk_scan``, ``torch_forward`` <= 5.0) and in mamba_ssm's
+``ssd_minimal_discrete``: an intra-chunk term (a decay mask over positions of a chunk), plus
+an inter-chunk term read from chunk states that a segment-sum over chunks decays and carries,
+with an initial state concatenated in and a final state out.
+
+Recognition has two halves.
+
+*Roles, structurally.* The output is a sum with one intra-chunk monomial
+``q[c, i] k[c, j] v[c, j] * decay(c, i, j)``: three atoms, whose time axes are a chunk index c
+and a position merged (the reshape into chunks split the time variable). They are q, k, v.
+The gate and the initial state are the other data the computation reads: candidates by shape
+([B, T, H] or [B, T, H, K] for the log gate, [B, H, K, V] in any axis order for the states)
+among the nodes between the inputs and the output; the final state, a state-shaped value
+computed from them.
+
+*Equality, by certificate.* The subgraph from those inputs to the output and the final state
+must be a pure function of them, built only from analytic ops (sums, products, contractions,
+exp, cumsum, views, pads, concatenation, masks that are constants): no comparison, clamp or
+other branch on data. It runs in float64 on random inputs, and so does the exact replacement
+the rewrite would insert, with the GLA op replaced by the naive reference recurrence. Both
+are exponential polynomials of the inputs on fixed masks: if they differ, they differ on all
+but a measure-zero set of inputs, so agreement (to the float32 rounding of the code's own
+constants, CERT_RTOL) at two random points certifies that they are equal. Sizes must be static (Dynamo specializes them, and the certificate holds at
+those sizes). A certificate is kept per subgraph structure, so the layers of a model pay once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .algebra import _VIEW_OPS, AV, Analyzer, Factor, comps, factor_vars, mono_vars, op_name, out_vars, storage_root
+from .consts import example_value, is_inplace
+from .emit import Emitter, Group, LFactor, Transaction
+from .match import Match, NearMiss, Reject
+from . import placement
+
+# Agreement required of the certificate (relative, float64). Not tighter: the code's own
+# constants (decay tables from a float32 arange) carry float32 rounding into the comparison;
+# a function that is not GLA differs by far more at random inputs.
+CERT_RTOL = 1e-6
+MAX_CANDIDATES = 8  # letterings tried per input: more means the shapes are too ambiguous
+FINAL_STATE_REACH = 64  # nodes searched past the last one computed from the subgraph
+_CERTIFIED: dict = {}  # structure of a certified subgraph -> True (bounded below)
+
+
+@dataclass
+class Spec:
+    """A proposed replacement: the inputs with role letters, the outputs with theirs."""
+
+    q: LFactor
+    k: LFactor
+    v: LFactor
+    g: Optional[LFactor]
+    gate: str  # none | scalar | vector | constant
+    h0: Optional[fx.Node]
+    h0_groups: list
+    out: fx.Node
+    out_groups: list
+    final: Optional[fx.Node]
+    final_groups: list
+    scale: float
+    sizes: dict  # role letter -> int
+    splits: dict = field(default_factory=dict)
+    gate_is_log: bool = True  # the gate input is the log decay (else the decay itself)
+    gamma: Optional[tuple] = None  # a constant log decay per head, read off the code
+
+    def leaves(self) -> dict:
+        res = {"q": self.q.node, "k": self.k.node, "v": self.v.node}
+        if self.g is not None:
+            res["g"] = self.g.node
+        if self.h0 is not None:
+            res["h0"] = self.h0
+        return res
+
+    def outputs(self) -> list:
+        return [self.out] + ([self.final] if self.final is not None else [])
+
+
+def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
+    from . import chunk_loop
+
+    matches, near = [], []
+    seeds = _seeds(an)
+    loops = chunk_loop.find(an, seeds)
+    in_loops = {e for asm, _ in loops for e in asm.elements}
+    for asm, elems in loops:
+        try:
+            matches.append(chunk_loop.analyze(an, asm, [(e, *seeds[e]) for e in elems]))
+        except Reject as e:
+            near.append(NearMiss("chunked", str(e), [asm.result]))
+    for out, (term, roles) in seeds.items():
+        if out in in_loops or len(an.value(out).terms) < 2:
+            continue  # one chunk alone, without a state read, is a parallel form
+        try:
+            matches.append(_analyze(an, out, term, roles))
+        except Reject as e:
+            near.append(NearMiss("chunked", str(e), [out]))
+    return matches, near
+
+
+# ---- the intra-chunk monomial ------------------------------------------------------------------
+@dataclass
+class Roles:
+    q: Factor
+    k: Factor
+    v: Factor
+    i: int  # position of the query within its chunk
+    j: int  # position of the key
+    c: Optional[int]  # the chunk (None when there is one)
+    kk: int
+    vv: int
+    batch: list
+
+    def time(self, pos: int) -> tuple:
+        """The variables of a time axis at chunk position `pos`."""
+        return (pos,) if self.c is None else (self.c, pos)
+
+
+def _seeds(an: Analyzer) -> dict:
+    """node -> (term, roles) for values with an intra-chunk monomial, the last of a chain of
+    views (a chunk loop's first chunk, read from a zero state, has no other term)."""
+    found = {}
+    for n in an.graph.nodes:
+        av = an.value(n)
+        if av is None or av.keep is not None or op_name(n) in ("getitem", "select"):
+            continue
+        for term in av.terms:
+            roles = _roles(av, term)
+            if roles is not None:
+                found[n] = (term, roles)
+                break
+    return {n: x for n, x in found.items() if not any(u in found and op_name(u) in _VIEW_OPS for u in n.users)}
+
+
+def _roles(av: AV, term) -> Optional[Roles]:
+    coef, fs = term
+    atoms = [f for f in fs if f.kind == "atom"]
+    if len(atoms) != 3 or not any(f.kind in ("exp", "const", "tri") for f in fs):
+        return None  # three inputs under a decay or mask
+    ov = out_vars(av.out)
+    summed = mono_vars(term) - ov
+    other_vars = set().union(*[factor_vars(f) for f in fs if f.kind != "atom"])
+
+    def holders(x):
+        return [f for f in atoms if x in factor_vars(f)]
+
+    vvs = [x for x in ov if len(holders(x)) == 1 and x not in other_vars and factor_vars(holders(x)[0]) & summed]
+    if len(vvs) != 1:
+        return None
+    vv, v = vvs[0], holders(vvs[0])[0]
+    js = factor_vars(v) & summed
+    kks = summed - js
+    if len(js) != 1 or len(kks) != 1:
+        return None
+    j, kk = next(iter(js)), next(iter(kks))
+    ks = [f for f in atoms if f is not v and {j, kk} <= factor_vars(f)]
+    qs = [f for f in atoms if f is not v and kk in factor_vars(f) and j not in factor_vars(f)]
+    if len(ks) != 1 or len(qs) != 1:
+        return None
+    q, k = qs[0], ks[0]
+    i_s = [x for x in ov if x in factor_vars(q) and x not in factor_vars(k) | factor_vars(v)]
+    if len(i_s) != 1:
+        return None
+    i = i_s[0]
+    c = _chunk_var(q, i)  # None: a single chunk (its axis has size 1)
+    if _chunk_var(k, j) != c or _chunk_var(v, j) != c or c is None and (i not in q.idx or j not in k.idx):
+        return None
+    batch = [x for e in av.out for x in comps(e) if x not in (i, vv, c)]
+    if len(batch) > 2:
+        return None
+    return Roles(q, k, v, i, j, c, kk, vv, batch)
+
+
+def _chunk_var(f: Factor, pos: int) -> Optional[int]:
+    """c where f's time axis is the merged (c, pos): chunk c, position pos within it."""
+    for e in f.idx:
+        cs = comps(e)
+        if len(cs) == 2 and cs[1] == pos:
+            return cs[0]
+    return None
+
+
+# ---- the candidate ------------------------------------------------------------------------------
+def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
+    letter = {x: "bh"[n] for n, x in enumerate(r.batch)}
+    letter.update({r.kk: "k", r.vv: "v"})
+    q, k, v = (_leaf(f, pos, r, letter) for f, pos in ((r.q, r.i), (r.k, r.j), (r.v, r.j)))
+    sizes = _sizes(an, r)
+    out_groups = _out_groups(an.value(out), r, letter)
+    scalars = [f for f in term[1] if f.kind == "scalar"]
+    if scalars:
+        raise Reject("the chunked form scales by a number computed in the graph")
+    base = Spec(q, k, v, None, "none", None, [], out, out_groups, None, [], term[0], sizes)
+    spec = _complete(an, base)
+    return _match(an, spec)
+
+
+def _leaf(f: Factor, pos: int, r: Roles, letter: dict) -> LFactor:
+    letters = ""
+    for e in f.idx:
+        cs = comps(e)
+        if cs == r.time(pos):
+            letters += "t"
+        elif len(cs) == 1 and cs[0] in letter:
+            letters += letter[cs[0]]
+        elif not cs:
+            letters += "1"
+        else:
+            raise Reject("an input of the chunked form has an axis that is not one role")
+    if f.atom.fixed:
+        raise Reject("an input of the chunked form is indexed at an integer position")
+    return LFactor(f.atom.node, letters)
+
+
+def _sizes(an: Analyzer, r: Roles) -> dict:
+    def size(x):
+        s = an.sizes[x]
+        if not isinstance(s, int):
+            raise Reject("the chunked form has symbolic sizes (it is certified at static sizes)")
+        return s
+
+    sizes = {"b": 1, "h": 1, "k": size(r.kk), "v": size(r.vv), "t": size(r.i) * (size(r.c) if r.c is not None else 1)}
+    for n, x in enumerate(r.batch):
+        sizes["bh"[n]] = size(x)
+    return sizes
+
+
+def _out_groups(av: AV, r: Roles, letter: dict) -> list:
+    groups = []
+    for e in av.out:
+        cs = comps(e)
+        if cs == r.time(r.i):
+            groups.append("t")
+        elif not cs:
+            groups.append("1")
+        elif len(cs) == 1 and cs[0] in letter and letter[cs[0]] != "k":
+            groups.append(letter[cs[0]])
+        else:
+            raise Reject("the output keeps the chunk axis apart from the position (take its view)")
+    return groups
+
+
+def _complete(an: Analyzer, base: Spec) -> Spec:
+    """The gate, initial state and final state: the first reading that certifies."""
+    core = {base.q.node, base.k.node, base.v.node}
+    nodes, frontier, _ = _slice(an, base.outputs(), core)
+    tried = 0
+    for gate in _gate_options(an, base, nodes | frontier):
+        cut = core | ({gate.g.node} if gate.g is not None else set())
+        nodes, frontier, consts = _slice(an, [base.out], cut)
+        for h0, h0_groups in _state_options(base, frontier):
+            leaves = cut | ({h0} if h0 is not None else set())
+            for final, final_groups in _final_options(an, base, nodes, leaves):
+                if frontier - {h0}:
+                    continue  # data the computation reads is left unexplained
+                spec = replace(gate, h0=h0, h0_groups=h0_groups, final=final, final_groups=final_groups)
+                spec = _with_fitted_gamma(an, spec) if spec.gate == "fit" else spec
+                if spec is None:
+                    continue
+                tried += 1
+                if tried > MAX_CANDIDATES:
+                    raise Reject("too many ways to read the gate and states by shape")
+                if certify(an, spec):
+                    return spec
+    raise Reject("no reading of the chunked computation as GLA was certified")
+
+
+def _gate_options(an: Analyzer, base: Spec, nodes: set):
+    """Specs with a gate: none; each slice node shaped like a log gate (or, for a constant
+    gate, like a decay per head); last, a constant decay read off the code itself."""
+    yield base
+    cands = sorted(nodes, key=lambda n: -an.order[n])  # nearest the output first
+    for n in cands:
+        val = example_value(n)
+        if not isinstance(val, torch.Tensor) or an.consts.is_const(n) or not val.is_floating_point():
+            continue
+        for roles, kind in (("bth", "scalar"), ("bthk", "vector"), ("h", "constant")):
+            for letters in _letterings(tuple(val.shape), roles, base.sizes):
+                yield replace(base, g=LFactor(n, letters), gate=kind)
+                if kind == "constant":
+                    yield replace(base, g=LFactor(n, letters), gate=kind, gate_is_log=False)
+    yield replace(base, gate="fit")
+
+
+def _with_fitted_gamma(an: Analyzer, spec: Spec) -> Optional[Spec]:
+    """A constant decay per head that the code holds as numbers (0.9 ** distance), read off
+    one probe run: q at step 1 reading k, v of step 0 gives scale * exp(gamma[h]). Only a
+    guess: the certificate then checks it."""
+    sizes = spec.sizes
+    if sizes["t"] < 2 or any(lf.select or lf.unflatten for lf in (spec.q, spec.k, spec.v)):
+        return None
+    leaves = spec.leaves()
+    nodes, frontier, consts = _slice(an, [spec.out], set(leaves.values()))
+    if frontier or not _evaluate(an, consts) or any(len(g) > 1 for g in spec.out_groups):
+        return None
+    probe = {r: torch.zeros(sizes["b"], sizes["t"], sizes["h"], sizes[d]) for r, d in (("q", "k"), ("k", "k"), ("v", "v"))}
+    probe["q"][:, 1, :, 0] = probe["k"][:, 0, :, 0] = probe["v"][:, 0, :, 0] = 1.0
+    args = []
+    for role, n in leaves.items():
+        lf = {"q": spec.q, "k": spec.k, "v": spec.v}.get(role)
+        args.append(_unlift(probe[role], lf.letters) if lf else torch.zeros(tuple(example_value(n).shape)))
+    try:
+        (o,) = _F64(_slice_module(an, nodes, consts, leaves, [spec.out])).run(*[a.double() for a in args])
+    except Exception:  # noqa: BLE001 - no reading: no candidate
+        return None
+    letters = "".join(spec.out_groups).replace("1", "")
+    present = "".join(c for c in "bthv" if c in letters)  # size-1 roles have no letter
+    o = torch.einsum(f"{letters}->{present}", o.reshape([s for s in o.shape if s != 1] or [1]))
+    for axis, c in enumerate("bthv"):
+        if c not in letters:
+            o = o.unsqueeze(axis)
+    decay = o[:, 1, :, 0] / spec.scale
+    if not bool((decay > 0).all()) or not torch.allclose(decay, decay[:1].expand_as(decay)):
+        return None
+    return replace(spec, gate="constant", gamma=tuple(decay[0].log().tolist()))
+
+
+def _unlift(x: torch.Tensor, letters: str) -> torch.Tensor:
+    """A [B, T, H, D] tensor laid out as a leaf lettered `letters`."""
+    d = "v" if "v" in letters else "k"
+    y = torch.einsum(f"bth{d}->{letters.replace('1', '')}", x)
+    it = iter(y.shape)
+    return y.reshape([1 if c == "1" else next(it) for c in letters])
+
+
+def _state_options(base: Spec, frontier: set) -> list:
+    """[(h0, groups)]: no initial state, or a data input left besides q, k, v, g that is
+    shaped [B, H, K, V] (in any axis order)."""
+    res = [(None, [])]
+    for n in frontier:
+        val = example_value(n)
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            res += [(n, list(ls)) for ls in _letterings(tuple(val.shape), "bhkv", base.sizes)]
+    return res
+
+
+def _final_options(an: Analyzer, base: Spec, nodes: set, leaves: set):
+    """(final, groups) for each state-shaped value computed from the subgraph's inputs by
+    analytic ops outside it (the last state of a chunk loop, the last chunk state of a scan),
+    latest first; then (None, []): the final state is not used."""
+    derived, cands = set(nodes) | leaves, []
+    if not nodes:  # nothing of the subgraph to follow: only "unused"
+        yield None, []
+        return
+    last = max(an.order[x] for x in nodes)
+    for n in an.nodes[min(an.order[x] for x in nodes) :]:
+        if an.order[n] > last + FINAL_STATE_REACH:
+            break  # nothing computed from the subgraph lately: the search is over (and linear)
+        if n in derived or not n.all_input_nodes or not _analytic(an, n) or is_inplace(n):
+            continue
+        if all(x in derived or an.consts.is_const(x) for x in n.all_input_nodes):
+            derived.add(n)
+            last = max(last, an.order[n])
+            val = example_value(n)
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and n.users:
+                cands.append(n)
+    for n in reversed(cands):
+        for ls in _letterings(tuple(example_value(n).shape), "bhkv", base.sizes):
+            yield n, list(ls)
+    yield None, []
+
+
+def _letterings(shape: tuple, roles: str, sizes: dict) -> list:
+    """Ways to name the axes of `shape` by `roles` (each used once; size-1 roles may be
+    absent, size-1 axes are '1')."""
+    axes = [i for i, s in enumerate(shape) if s != 1]
+    must = [c for c in roles if sizes[c] != 1]
+    if len(axes) < len(must) or len(axes) > len(roles):
+        return []
+    res = []
+    for perm in itertools.permutations(roles, len(axes)):
+        if not set(must) <= set(perm):
+            continue
+        if all(sizes[c] == shape[a] for c, a in zip(perm, axes)):
+            letters = ["1"] * len(shape)
+            for c, a in zip(perm, axes):
+                letters[a] = c
+            res.append("".join(letters))
+    return res
+
+
+# ---- the subgraph -------------------------------------------------------------------------------
+def _slice(an: Analyzer, outputs: list, cut: set) -> tuple[set, set, dict]:
+    """(nodes, frontier, consts): the nodes between `cut` and `outputs`, the data they read
+    that is neither cut nor analytic (placeholders, other ops), and their constants."""
+    nodes, frontier, consts = set(), set(), {}
+    stack = list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in nodes or n in cut or n in frontier or n in consts:
+            continue
+        if _uninitialized(n):
+            consts[n] = "empty"
+            stack += [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n]
+            continue
+        if an.consts.is_const(n) or _factory(n):
+            consts[n] = None
+            if _factory(n):  # a buffer the code fills in place
+                stack += [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n]
+            continue
+        if not _analytic(an, n):
+            frontier.add(n)
+            continue
+        nodes.add(n)
+        stack += [x for x in n.all_input_nodes]
+        stack += [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n]  # writes into n
+    return nodes, frontier, consts
+
+
+def _factory(n: fx.Node) -> bool:
+    if n.op == "call_function":
+        return n.target in (torch.zeros, torch.ones, torch.full, torch.zeros_like, torch.ones_like, torch.full_like)
+    return n.op == "call_method" and n.target in ("new_zeros", "new_ones", "new_full")
+
+
+def _uninitialized(n: fx.Node) -> bool:
+    if n.op == "call_function":
+        return n.target in (torch.empty, torch.empty_like)
+    return n.op == "call_method" and n.target in ("new_empty", "empty_like")
+
+
+_ANALYTIC = {
+    "mul", "div", "add", "sub", "rsub", "neg", "matmul", "bmm", "mm", "einsum", "exp", "exp2", "sum",
+    "unsqueeze", "squeeze", "permute", "transpose", "reshape", "t", "identity", "expand", "select",
+    "narrow", "unbind", "repeat_interleave", "repeat", "getitem", "tril", "triu",
+}
+_ANALYTIC_FNS = {torch.cumsum, torch.cat, torch.stack, torch.split, torch.chunk, F.pad, torch._C._nn.pad, torch.flip}
+_ANALYTIC_METHODS = {"cumsum", "split", "chunk", "flip"}
+
+
+def _analytic(an: Analyzer, n: fx.Node) -> bool:
+    """Ops whose value is an analytic function of their data inputs: no data-dependent branch."""
+    if n.op == "call_method" and n.target in _ANALYTIC_METHODS:
+        return True
+    if n.op == "call_function" and n.target in _ANALYTIC_FNS:
+        return n.target not in (F.pad, torch._C._nn.pad) or _constant_pad(n)
+    if n.op == "call_function" and n.target is operator.setitem:
+        return not any(isinstance(x, fx.Node) for x in _flat(n.args[1]))
+    name = op_name(n)
+    if name == "getitem":
+        return not any(isinstance(x, fx.Node) for x in _flat(n.args[1:]))
+    if name in ("masked_fill", "where"):
+        mask = n.args[1] if name == "masked_fill" else n.args[0]
+        return isinstance(mask, fx.Node) and an.consts.is_const(mask)
+    return name in _ANALYTIC
+
+
+def _constant_pad(n: fx.Node) -> bool:
+    mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
+    return mode == "constant"
+
+
+def _flat(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for i in x for y in _flat(i)]
+    if isinstance(x, slice):
+        return [x.start, x.stop, x.step]
+    return [x]
+
+
+# ---- the certificate ----------------------------------------------------------------------------
+def certify(an: Analyzer, spec: Spec) -> bool:
+    """Whether the subgraph from the spec's inputs to its outputs equals the replacement."""
+    leaves = spec.leaves()
+    cut = set(leaves.values())
+    nodes, frontier, consts = _slice(an, spec.outputs(), cut)
+    if frontier or any(_symbolic(n) for n in list(nodes) + list(cut)):
+        return False
+    if not _evaluate(an, consts):
+        return False
+    key = _structure(an, spec, nodes, consts, leaves)
+    if key in _CERTIFIED:
+        return _CERTIFIED[key]
+    original = _slice_module(an, nodes, consts, leaves, spec.outputs())
+    rewritten = _emission_module(an, spec)
+    ok = all(_agree(original, rewritten, leaves, seed, spec.gate_is_log) for seed in (0, 1))
+    if len(_CERTIFIED) > 256:
+        _CERTIFIED.clear()
+    _CERTIFIED[key] = ok
+    return ok
+
+
+def _evaluate(an: Analyzer, consts: dict) -> bool:
+    """Fill in the constants' values; memory the code allocates without initializing is NaN,
+    so that a computation reading it cannot be certified."""
+    for n in consts:
+        val = example_value(n)
+        if consts[n] == "empty" or n.op == "call_function" and n.target is torch.empty:
+            consts[n] = torch.full(tuple(val.shape), float("nan"), dtype=val.dtype)
+        else:
+            consts[n] = an.consts.evaluate(n)
+        if consts[n] is None and isinstance(val, torch.Tensor):
+            return False
+    return True
+
+
+def _symbolic(n: fx.Node) -> bool:
+    val = example_value(n)
+    if isinstance(val, torch.Tensor):
+        return any(not isinstance(s, int) for s in val.shape)
+    return isinstance(val, (torch.SymInt, torch.SymFloat))
+
+
+def _structure(an: Analyzer, spec: Spec, nodes: set, consts: dict, leaves: dict) -> tuple:
+    """A key equal for subgraphs that compute the same thing on same-shaped inputs (the
+    layers of a model): ops, arguments and constants' values, up to node names."""
+    index = {n: ("leaf", role) for role, n in leaves.items()}
+    for n, val in consts.items():
+        index[n] = ("const", _digest(val))
+    rows = []
+    for n in sorted(nodes, key=an.order.__getitem__):
+        index[n] = ("node", len(rows))
+        val = example_value(n)
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        args = fx.node.map_arg((n.args, n.kwargs), lambda x: index.get(x, ("ext", x.name)))
+        rows.append((n.op, str(n.target), repr(args), shape))
+    lf = [(r, x.letters, x.select, x.unflatten) for r, x in (("q", spec.q), ("k", spec.k), ("v", spec.v), ("g", spec.g)) if x]
+    shapes = tuple((r, tuple(example_value(n).shape)) for r, n in leaves.items())
+    outs = (index.get(spec.out), tuple(spec.out_groups), index.get(spec.final), tuple(spec.final_groups))
+    gate = (spec.gate, spec.gate_is_log, spec.gamma)
+    return (tuple(rows), tuple(lf), shapes, outs, tuple(spec.h0_groups), gate, spec.scale)
+
+
+def _digest(val) -> tuple:
+    if isinstance(val, torch.Tensor):
+        data = val.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return (tuple(val.shape), str(val.dtype), hashlib.sha1(data).hexdigest())
+    return (repr(val),)
+
+
+def _slice_module(an: Analyzer, nodes: set, consts: dict, leaves: dict, outputs: list) -> fx.GraphModule:
+    g = fx.Graph()
+    root = torch.nn.Module()
+    env: dict = {}
+    for role, n in leaves.items():
+        env[n] = g.placeholder(role)
+    for i, (n, val) in enumerate(consts.items()):
+        if isinstance(val, torch.Tensor):
+            root.register_buffer(f"c{i}", val.double() if val.is_floating_point() else val)
+            env[n] = g.get_attr(f"c{i}")
+        else:
+            env[n] = val
+    for n in sorted(nodes, key=an.order.__getitem__):
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(root, g)
+
+
+def _emission_module(an: Analyzer, spec: Spec) -> fx.GraphModule:
+    """The replacement alone, on placeholders for the spec's inputs."""
+    g = fx.Graph()
+    nodes = {}
+    for role, n in spec.leaves().items():
+        nodes[role] = g.placeholder(role)
+        nodes[role].meta["example_value"] = example_value(n)
+    out = g.output(None)
+    em = Emitter(Transaction(g), out, spec.sizes, spec.splits)
+    outs = emit(em, spec, nodes)
+    out.args = (tuple(x for x in outs if x is not None),)
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _agree(original, rewritten, leaves: dict, seed: int, gate_is_log: bool = True) -> bool:
+    gen = torch.Generator().manual_seed(seed)
+    args = []
+    for role, n in leaves.items():
+        shape = tuple(example_value(n).shape)
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        if role == "g":  # a log decay per step: negative, away from 0 and from -inf
+            x = -(torch.rand(shape, generator=gen, dtype=torch.float64) * 0.9 + 0.05)
+            x = x if gate_is_log else x.exp()
+        args.append(x)
+    try:
+        want = _F64(original).run(*args)
+        got = _F64(rewritten).run(*args)
+    except Exception:  # noqa: BLE001 - a reading that does not even run is not certified
+        return False
+    for w, x in zip(want, got):
+        if not isinstance(w, torch.Tensor) or w.shape != x.shape or not torch.isfinite(w).all():
+            return False
+        scale = w.abs().max().clamp_min(1e-30)
+        if not ((x.double() - w.double()).abs().max() / scale).item() <= CERT_RTOL:
+            return False
+    return True
+
+
+def _f64(x):
+    return torch.float64 if isinstance(x, torch.dtype) and x.is_floating_point else x
+
+
+class _F64(fx.Interpreter):
+    """Runs a graph in float64: casts and factories to other float types go to float64, and
+    the GLA op is the naive reference recurrence."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.gla_inductor.chunk_fwd.default:
+            return _reference(*args)
+        return super().call_function(target, tuple(map(_f64, args)), {k: _f64(v) for k, v in kwargs.items()})
+
+    def call_method(self, target, args, kwargs):
+        if target in ("float", "half", "bfloat16"):
+            target = "double"
+        return super().call_method(target, tuple(map(_f64, args)), {k: _f64(v) for k, v in kwargs.items()})
+
+
+def _reference(q, k, v, g, g_gamma, h0, scale, output_final_state, reverse):
+    from ..reference import naive_recurrent_gla
+
+    return naive_recurrent_gla(
+        q, k, v, g, g_gamma=g_gamma, scale=scale, initial_state=h0, output_final_state=True, reverse=reverse
+    )
+
+
+# ---- the replacement ----------------------------------------------------------------------------
+def emit(em: Emitter, spec: Spec, nodes: dict) -> tuple:
+    """Insert the GLA op for `spec` on `nodes` (role -> node); (o, final state) as the user's."""
+
+    def lift(lf: LFactor, role: str, letters: str, full: bool = True):
+        return em.lift(Group(1.0, (replace(lf, node=nodes[role]),)), letters, full=full)
+
+    q, k, v = lift(spec.q, "q", "bthk"), lift(spec.k, "k", "bthk"), lift(spec.v, "v", "bthv")
+    g = g_gamma = None
+    if spec.g is not None:
+        letters = {"scalar": "bth", "vector": "bthk", "constant": "h"}[spec.gate]
+        gate = em.as_float32(lift(spec.g, "g", letters, full=False))
+        gate = em.expand_to(gate if spec.gate_is_log else em.call(torch.log, gate), letters)
+        g, g_gamma = (None, gate) if spec.gate == "constant" else (gate, None)
+    elif spec.gamma is not None:
+        device = example_value(q).device
+        g_gamma = em.call(torch.tensor, list(spec.gamma), dtype=torch.float32, device=device)
+    h0 = None
+    if spec.h0 is not None:
+        h0 = em.as_float32(em.relayout(nodes["h0"], spec.h0_groups, "bhkv"))
+    op = em.call(torch.ops.gla_inductor.chunk_fwd.default, q, k, v, g, g_gamma, h0, float(spec.scale), True, False)
+    o = _as(em, em.relayout(em.call(operator.getitem, op, 0), "bthv", spec.out_groups), spec.out)
+    ht = None
+    if spec.final is not None:
+        ht = _as(em, em.relayout(em.call(operator.getitem, op, 1), "bhkv", spec.final_groups), spec.final)
+    else:
+        op.update_arg(7, False)
+    return o, ht
+
+
+def _local_writes(nodes: set, consts: dict) -> list:
+    """The in-place writes of the computation; each into a buffer that only it reads."""
+    writes = [n for n in nodes if is_inplace(n)]
+    inside = nodes | set(consts)
+    for w in writes:
+        buf = storage_root(w.args[0])
+        if buf not in inside or any(u not in inside for u in buf.users):
+            raise Reject("the chunked computation writes into a tensor read elsewhere")
+    return writes
+
+
+def _as(em: Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
+    want = example_value(like).dtype
+    return em.call("to", node, want, op="call_method") if example_value(node).dtype != want else node
+
+
+def _match(an: Analyzer, spec: Spec) -> Match:
+    deps = list(spec.leaves().values())
+    anchor = min(spec.outputs(), key=an.order.__getitem__)
+    late = [d.name for d in deps if an.order[d] >= an.order[anchor]]
+    if late:
+        raise Reject(f"inputs {late} are computed after the output")
+    nodes, _, consts = _slice(an, spec.outputs(), set(deps))
+    writes = _local_writes(nodes, consts)
+    start = min(an.order[n] for n in nodes)
+    placement.check_unmodified(an, deps, start, an.order[anchor])
+    if spec.h0 is not None and placement.written_after(an, spec.h0, anchor):
+        if any(placement.requires_grad(d) for d in deps) and torch.is_grad_enabled():
+            raise Reject("the initial state is overwritten in place while gradients are needed")
+
+    def apply(txn) -> None:
+        em = Emitter(txn, anchor, spec.sizes, spec.splits)
+        o, ht = emit(em, spec, spec.leaves())
+        txn.replace_all_uses(spec.out, o)
+        if ht is not None:
+            txn.replace_all_uses(spec.final, ht)
+        txn.erase += writes  # the buffers the naive code filled are dead now
+
+    shapes = {c.upper(): spec.sizes.get(c, 1) for c in "bthkv"}
+    match = Match("chunked", spec.gate, spec.q.letters, shapes, spec.outputs(), apply,
+                  {"initial_state": spec.h0 is not None, "scale": spec.scale})
+    match.covers = nodes
+    return match
+

@@ -1,0 +1,140 @@
+"""Host launcher of the fused recurrent GLA Triton kernel (``templates/gla_recurrent.py.jinja``).
+
+For decoding (T = 1) and short multi-token steps: one program per (V tile, batch * head) loads its
+[K, BV] slice of the state once, walks the T steps, writes o at every step and the state once at the
+end. Its cost is the state's HBM traffic, 2 * B * H * K * V * 4 bytes for an fp32 state, plus
+(3K + 2V) * 2 bytes per step and head for q, k, g, v and o (bf16, vector gate); at K = V = 128 the
+state outweighs the per-step traffic up to T ~ 100. The chunked scan does the per-step work as
+tensor-core dots and wins as T grows: ``cuda_dispatch.RECURRENT_MAX_T`` decides where the ops switch.
+
+``fused_recurrent_triton`` runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from dataclasses import dataclass
+from importlib.util import find_spec
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .cuda_dispatch import gate_kind
+from .templates.standalone import OUT, render
+from .triton_chunk import MAX_GRID_YZ, _interpreting, _max_offset, _pow2
+
+__all__ = ["RecurrentConfig", "default_recurrent_config", "fused_recurrent_triton", "recurrent_grid",
+           "recurrent_options", "recurrent_supports"]
+
+MAX_K = 256  # every program holds whole key rows: a [K, BV] fp32 state tile in registers
+MAX_V = 512
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """Tiles of one launch; pass one to ``fused_recurrent_triton`` to override the heuristic."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.device) -> RecurrentConfig:
+    """Value tile and warps for a bandwidth-bound pass over the state.
+
+    A program's [BK, BV] fp32 state tile has about 8192 elements, 64 per thread over 4 warps, with
+    rows of at least 32 floats (128 contiguous bytes of a contiguous state). Tuned on an H100 at
+    K = V = 128, T = 1 (benchmarks/results/h100-2026-11-22-decode.md): BV = 64 with 4 warps reached
+    94-98% of copy bandwidth at B * H from 2048 to 8192, against 89-92% for BV = 32. The tile
+    narrows while B * H * cdiv(V, BV) programs leave fewer than ~4 per SM (a program loads its whole
+    tile, then computes, then stores: bandwidth needs other programs' loads in flight meanwhile).
+    """
+    BK = max(16, _pow2(K))
+    block_v = min(max(16, _pow2(V)), max(32, min(64, 8192 // BK)))
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        while block_v > 16 and B * H * -(-V // block_v) < 4 * sms:
+            block_v //= 2
+    num_warps = min(8, max(1, BK * block_v // 2048))
+    return RecurrentConfig(block_v=block_v, num_warps=num_warps)
+
+
+def recurrent_grid(B: int, H: int, V: int, block_v: int) -> tuple[int, int]:
+    """(cdiv(V, BV), B * H): one program per value tile of one (batch, head).
+
+    Each program owns a [K, BV] slice of one head's state, independent of all others (the update is
+    per key row, the output reduces over keys only), so no two programs touch the same state bytes:
+    the state may be updated in place. K is not split, so o needs no cross-program reduction.
+    """
+    return (-(-V // block_v), B * H)
+
+
+def recurrent_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
+                       g_gamma: Optional[Tensor] = None, state_in: Optional[Tensor] = None,
+                       state_out: Optional[Tensor] = None) -> Optional[str]:
+    """None when the kernel handles these inputs, else the reason to fall back."""
+    if find_spec("triton") is None:
+        return "triton is not installed"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+        return f"device {q.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
+    named = (("q", q), ("k", k), ("v", v), ("g", g), ("g_gamma", g_gamma), ("state", state_in),
+             ("final state", state_out))
+    for name, x in named:
+        if x is not None and x.dtype not in _SUPPORTED_DTYPES:
+            return f"{name} dtype {x.dtype} (supported: float32, float16, bfloat16)"
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if K > MAX_K:
+        return f"K = {K} > {MAX_K}"
+    if V > MAX_V:
+        return f"V = {V} > {MAX_V}"
+    if B * H > MAX_GRID_YZ:
+        return f"B * H = {B * H} > {MAX_GRID_YZ}"
+    return None
+
+
+def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *, block_v: int, use_h0: bool,
+                      store_ht: bool) -> dict:
+    """The template's options (jinja variables and constexprs); ``gate`` as ``cuda_dispatch.gate_kind``."""
+    return dict(
+        BK=max(16, _pow2(K)),
+        BV=block_v,
+        EVEN_V=V % block_v == 0,
+        USE_GK=gate == "vector",
+        USE_G=gate == "scalar",
+        USE_G_GAMMA=gate == "constant",
+        USE_H0=use_h0,
+        STORE_HT=store_ht,
+        REVERSE=bool(reverse),
+        SCALE=float(scale),
+    )
+
+
+def fused_recurrent_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
+                           state_in: Optional[Tensor], state_out: Optional[Tensor], scale: float, reverse: bool, *,
+                           config: Optional[RecurrentConfig] = None) -> Tensor:
+    """o [B, T, H, V] in the promoted dtype of q, k, v; the final state goes to ``state_out``.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H], or g_gamma [H], or neither;
+    state_in [B, H, K, V] (None: zeros), state_out [B, H, K, V] (None: not stored), any strides
+    and any supported dtypes each; state_out may be state_in itself. Math in fp32.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    o = torch.empty(B, T, H, V, dtype=dtype, device=q.device)
+    if T == 0 or B * H == 0:
+        # no step: the final state is the initial one (the kernel would get an empty o)
+        if state_out is not None:
+            state_out.copy_(state_in if state_in is not None else torch.zeros_like(state_out))
+        return o
+    cfg = config or default_recurrent_config(B, H, K, V, q.device)
+    options = recurrent_options(K, V, gate_kind(g, g_gamma), scale, reverse, block_v=cfg.block_v,
+                                use_h0=state_in is not None, store_ht=state_out is not None)
+    tensors = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "h0": state_in, "ht": state_out}
+    present = {n: t for n, t in tensors.items() if t is not None}
+    ndims = {n: t.dim() for n, t in present.items()}
+    ndims[OUT] = o.dim()
+    int64_index = max(_max_offset(t) for t in (*present.values(), o)) >= 2**31
+    kernel = render(("gla_recurrent", "gla_common"), "gla_recurrent", options, ndims, int64_index)
+    kernel(recurrent_grid(B, H, V, cfg.block_v), present, o, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o

@@ -1,0 +1,216 @@
+"""The Inductor lowerings of the GLA ops (``gla_inductor.lowerings``): compiled graphs run our
+Triton templates as generated code, forward and backward, with pointwise epilogues fused.
+
+Without a GPU, Inductor generates Triton for CPU tensors and runs it under the Triton interpreter
+(``cpu_backend="triton"`` plus a stub for the Triton backend hash, which a CPU-only Triton cannot
+compute; ../shared/research/inductor.md §7). On a GPU the same tests run on CUDA.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import gla_inductor
+from gla_inductor.reference import naive_recurrent_gla
+
+triton = pytest.importorskip("triton")
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+INTERPRETED = type(triton.language.cumsum).__name__ == "InterpretedFunction"
+pytestmark = pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs a GPU or TRITON_INTERPRET=1")
+
+# how the output code calls the eager op (a fallback), as opposed to comments that name it
+EXTERN_CALL = re.compile(r"^\s*[\w, ]+ = torch\.ops\.gla_inductor\.\w+\.default\(", re.MULTILINE)
+SCAN_KERNEL = "GLA chunk scan"  # comments the templates leave in their kernels' source
+DQKG_KERNEL = "GLA backward for q, k and the gate"
+
+
+@pytest.fixture(autouse=True)
+def inductor_triton(monkeypatch):
+    """Compile with Triton kernels on whatever device runs the tests; fresh caches per test."""
+    patches = dict(fx_graph_cache=False, force_disable_caches=True)
+    if not ON_GPU:
+        patches["cpu_backend"] = "triton"
+        # A CPU-only Triton has no active driver to hash; the interpreter needs none. Patched where
+        # it is defined and wherever a torch version imported the name.
+        import torch._inductor.codegen.triton as codegen_triton
+        import torch.utils._triton as utils_triton
+
+        for module in (utils_triton, codegen_triton):
+            monkeypatch.setattr(module, "triton_hash_with_backend", lambda: "interpreter", raising=False)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(patches):
+        yield
+    torch._dynamo.reset()
+
+
+def _inputs(B, T, H, K, V, gate, h0, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, f=lambda x: x):
+        return f(torch.randn(*shape, generator=gen)).to(DEVICE, dtype).requires_grad_()
+
+    x = dict(q=rand(B, T, H, K), k=rand(B, T, H, K), v=rand(B, T, H, V))
+    if gate == "vector":
+        x["g"] = rand(B, T, H, K, f=F.logsigmoid)
+    elif gate == "scalar":
+        x["g"] = rand(B, T, H, f=F.logsigmoid)
+    elif gate == "constant":
+        x["g_gamma"] = rand(H, f=lambda t: -F.softplus(t))
+    if h0:
+        x["initial_state"] = rand(B, H, K, V)
+    return x
+
+
+def _reference(x, reverse):
+    """Float64 outputs and gradients of sum(o * w) + sum(ht * wh) through the naive time loop."""
+    x64 = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    o, ht = naive_recurrent_gla(**x64, output_final_state=True, reverse=reverse)
+    return o, ht, x64
+
+
+def _rel(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _code_of(fn, *args):
+    """(result, generated code of every graph) of a compiled call and its backward."""
+    return run_and_get_code(fn, *args)
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar", "constant", "none"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_forward_and_backward_run_the_templates(gate, reverse):
+    x = _inputs(2, 21, 2, 16, 24, gate, h0=True)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(2, 21, 2, 24, generator=gen, dtype=torch.float64).to(DEVICE)
+    wh = torch.randn(2, 2, 16, 24, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    @torch.compile(fullgraph=True)
+    def fwd(x):
+        return gla_inductor.chunk_gla(**x, output_final_state=True, reverse=reverse)
+
+    def fwd_bwd():
+        o, ht = fwd(x)
+        ((o.double() * w).sum() + (ht.double() * wh).sum()).backward()
+        return o, ht
+
+    (o, ht), code = run_and_get_code(fwd_bwd)
+    fwd_code, bwd_code = code
+    assert not EXTERN_CALL.search(fwd_code + bwd_code)
+    assert fwd_code.count(SCAN_KERNEL) == 1 and DQKG_KERNEL not in fwd_code
+    # the backward: the states scan and the dual scan, then dq/dk/dg
+    assert bwd_code.count(SCAN_KERNEL) == 2 and bwd_code.count(DQKG_KERNEL) == 1
+
+    o64, ht64, x64 = _reference(x, reverse)
+    ((o64 * w).sum() + (ht64 * wh).sum()).backward()
+    assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
+    for name, t in x.items():
+        # the kernels' fp32 bound (tests/test_triton_kernels.py): gate gradients sum cancelling terms
+        assert _rel(t.grad, x64[name].grad) < 1e-4, name
+
+
+def test_pointwise_consumers_fuse_into_the_forward_template():
+    """Output gating, a dtype cast and the transpose back to [B, T, H * V] are stored by the template
+    itself: the compiled forward is one kernel."""
+    B, T, H, K, V = 2, 19, 2, 16, 16
+    x = {n: t.detach() for n, t in _inputs(B, T, H, K, V, "vector", h0=False).items()}
+    z = torch.randn(B, T, H, V, device=DEVICE)
+
+    def block(x, z):
+        o, _ = gla_inductor.chunk_gla(**x)
+        # silu's libdevice.exp does not run under the Triton interpreter (returns None), sigmoid does
+        gate = F.silu(z) if ON_GPU else z * torch.sigmoid(z)
+        return (o * gate).to(torch.bfloat16).reshape(B, T, H * V)
+
+    out, (code,) = run_and_get_code(torch.compile(block, fullgraph=True), x, z)
+    kernels = re.findall(r"def (triton_\w+)\(", code)
+    assert len(kernels) == 1 and kernels[0].startswith("triton_tem_fused"), kernels
+    assert not EXTERN_CALL.search(code)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, T, H * V)
+    torch.testing.assert_close(out.float(), block(x, z).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_transposed_inputs_are_read_in_place():
+    """Head-first tensors viewed as [B, T, H, D] reach the kernel through their strides: no copy."""
+    B, T, H, K = 1, 12, 2, 16
+    q, k, v = (torch.randn(B, H, T, K, device=DEVICE) for _ in range(3))
+    g = F.logsigmoid(torch.randn(B, H, T, K, device=DEVICE))
+
+    def head_first(q, k, v, g):
+        o, _ = gla_inductor.chunk_gla(*(t.transpose(1, 2) for t in (q, k, v, g)))
+        return o
+
+    out, (code,) = run_and_get_code(torch.compile(head_first, fullgraph=True), q, k, v, g)
+    kernels = re.findall(r"def (triton_\w+)\(", code)
+    assert len(kernels) == 1, kernels  # no copy kernels before the template
+    torch.testing.assert_close(out, head_first(q, k, v, g), rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_length_changes_without_recompiling():
+    counters.clear()
+
+    @torch.compile(dynamic=True, fullgraph=True)
+    def fwd(q, k, v, g):
+        return gla_inductor.chunk_gla(q, k, v, g)[0]
+
+    for T in (9, 23, 40):
+        x = {n: t.detach() for n, t in _inputs(1, T, 2, 16, 16, "scalar", h0=False, seed=T).items()}
+        out = fwd(**x)
+        want = naive_recurrent_gla(*(x[n].double() for n in ("q", "k", "v", "g")))[0]
+        assert _rel(out, want) < 1e-5, T
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_backend_naive_loop_runs_the_templates():
+    """The full path: a naive loop, rewritten by the backend, lowered to our templates."""
+    from spellings import SPELLINGS
+
+    spelling = next(s for s in SPELLINGS if s.fn.__name__ == "loop_broadcast_setitem")
+    args = [a.to(DEVICE) for a in spelling.make(torch.float32)]
+    compiled = torch.compile(spelling.fn, backend=gla_inductor.backend, fullgraph=True)
+    out, (code,) = run_and_get_code(compiled, *args)
+    assert SCAN_KERNEL in code and not EXTERN_CALL.search(code)
+    torch.testing.assert_close(out, spelling.fn(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_inputs_lower_to_the_eager_op():
+    """float64 is beyond the kernels: the graph calls the eager op (and says why in the log)."""
+    x = {n: t.detach().double() for n, t in _inputs(1, 8, 1, 16, 16, "vector", h0=False).items()}
+    out, (code,) = run_and_get_code(torch.compile(lambda x: gla_inductor.chunk_gla(**x)[0]), x)
+    assert EXTERN_CALL.search(code) and SCAN_KERNEL not in code
+    want = naive_recurrent_gla(*(x[n] for n in ("q", "k", "v", "g")))[0]
+    assert _rel(out, want) < 1e-10
+
+
+def test_switch_forces_the_eager_op():
+    x = {n: t.detach() for n, t in _inputs(1, 8, 1, 16, 16, "none", h0=False).items()}
+    with gla_inductor.config.patch(triton_kernels=False):
+        _, (code,) = run_and_get_code(torch.compile(lambda x: gla_inductor.chunk_gla(**x)[0]), x)
+    assert EXTERN_CALL.search(code) and SCAN_KERNEL not in code
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and benchmarking autotuning need a GPU")
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes(mode):
+    """CUDA graphs replay with new input values; autotuning picks among several template configs.
+    The naive loop goes through our backend, with the mode."""
+    from spellings import SPELLINGS
+
+    spelling = next(s for s in SPELLINGS if s.fn.__name__ == "loop_broadcast_setitem")
+    compiled = torch.compile(spelling.fn, backend=gla_inductor.backend, mode=mode, fullgraph=True)
+    for seed in range(3):  # warm-up, recording, replay
+        torch.manual_seed(seed)
+        args = [a.to(DEVICE).requires_grad_() for a in spelling.make(torch.float32)]
+        out = compiled(*args)
+        out.sum().backward()
+        ref_args = [a.detach().double().requires_grad_() for a in args]
+        ref = spelling.fn(*ref_args)
+        ref.sum().backward()
+        assert _rel(out, ref) < 1e-4, seed
+        for a, r in zip(args, ref_args):
+            assert _rel(a.grad, r.grad) < 1e-4, seed
