@@ -1,14 +1,19 @@
 """CPU benchmark of the foundation: recognition time and compiled-vs-eager naive GLA.
 
-    python benchmarks/cpu_recognition.py [--out benchmarks/results/cpu.md]
+    python benchmarks/cpu_recognition.py [--train] [--out benchmarks/results/cpu.md]
 
 Measures (1) the time the recognizer takes on the Dynamo graph of a T=1024 time loop (the
 graph is captured first; only `rewrite_graph` is timed), and (2) the naive time loop at
-B=2, H=4, T=512, K=V=64 in eager mode against the same code compiled with the backend.
+B=2, H=4, T=512, K=V=64 in eager mode against the same code compiled with the backend; with
+--train also a training step (forward and backward) of both.
+
+Timings on a shared machine move with its load: the report gives the load average before and
+after, and each time is a median (the minimum is printed beside it).
 """
 
 import argparse
 import datetime
+import os
 import platform
 import subprocess
 import time
@@ -59,20 +64,33 @@ def recognition_seconds(T: int, repeat: int = 3) -> tuple:
     return best, n_nodes
 
 
-def median_ms(fn, repeat: int) -> float:
+def median_ms(fn, repeat: int) -> tuple:
+    """(median, minimum) of repeat timed calls after a warm-up call, in ms."""
     fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    return sorted(times)[len(times) // 2] * 1e3, min(times) * 1e3
+
+
+def train_step(fn, x):
+    """Forward and backward of fn on fresh leaves copied from x."""
+    leaves = [t.detach().requires_grad_() for t in x]
+    fn(*leaves).square().sum().backward()
+
+
+def load() -> str:
+    return "%.2f" % os.getloadavg()[0]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--train", action="store_true", help="also time forward + backward")
     args = parser.parse_args()
+    load_before = load()
     torch.manual_seed(0)
     rec_s, n_nodes = recognition_seconds(1024)
 
@@ -83,25 +101,36 @@ def main():
     compiled(*x)
     compile_s = time.perf_counter() - start
     with torch.no_grad():
-        eager_ms = median_ms(lambda: naive_loop(*x), 5)
-        comp_ms = median_ms(lambda: compiled(*x), 20)
+        eager_ms, eager_min = median_ms(lambda: naive_loop(*x), 5)
+        comp_ms, comp_min = median_ms(lambda: compiled(*x), 20)
         err = ((compiled(*x) - naive_loop(*x)).abs().max() / naive_loop(*x).abs().max()).item()
+    train_rows = []
+    if args.train:
+        eager_t, eager_t_min = median_ms(lambda: train_step(naive_loop, x), 3)
+        comp_t, comp_t_min = median_ms(lambda: train_step(compiled, x), 10)
+        train_rows = [
+            f"| training step (forward + backward), eager | {eager_t:.1f} ms (min {eager_t_min:.1f}) |",
+            f"| same, compiled with gla_inductor | {comp_t:.2f} ms (min {comp_t_min:.2f}) |",
+            f"| training speed-up | {eager_t / comp_t:.1f}x |",
+        ]
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
         "# CPU benchmark: recognition and compiled naive GLA",
         "",
         f"date {datetime.date.today()}, commit {commit}, torch {torch.__version__}, "
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"load average {load_before} before, {load()} after",
         "",
         "| what | value |",
         "|---|---|",
         f"| recognition of a T=1024 loop graph ({n_nodes} nodes) | {rec_s * 1e3:.0f} ms |",
-        f"| naive loop B=2 H=4 T=512 K=V=64, eager | {eager_ms:.1f} ms |",
-        f"| same, compiled with gla_inductor | {comp_ms:.2f} ms |",
+        f"| naive loop B=2 H=4 T=512 K=V=64, eager | {eager_ms:.1f} ms (min {eager_min:.1f}) |",
+        f"| same, compiled with gla_inductor | {comp_ms:.2f} ms (min {comp_min:.2f}) |",
         f"| speed-up | {eager_ms / comp_ms:.1f}x |",
         f"| compile time (Dynamo unrolls 512 steps) | {compile_s:.1f} s |",
         f"| max relative error vs eager | {err:.1e} |",
+        *train_rows,
     ]
     text = "\n".join(lines)
     print(text)

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from . import config
-from .cache_key import cache_key_pass
+from . import config, ops  # noqa: F401  (ops: defines chunk_fwd)
+from .cache_key import keyed
 from .recognize import RewriteResult, rewrite_graph
+from .recognize.gate import CHUNK_FWD_TARGETS, fuse_gates
 from .recognize.match import NearMiss
 
 log = logging.getLogger("gla_inductor")
@@ -49,7 +50,8 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> Rew
         log.warning("gla_inductor: the GLA rewrite failed; compiling the graph unchanged", exc_info=True)
         counters["gla_inductor"]["failures"] += 1
         return RewriteResult()
-    if original is not None and result.matches:
+    fused = _fuse_gates(gm)
+    if original is not None and (result.matches or fused):
         why = _verify(original, gm, example_inputs)
         if why is not None:
             log.warning("gla_inductor: verify refused the rewrite: %s", why)
@@ -63,6 +65,24 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> Rew
         counters["gla_inductor"][f"rewrites_{m.form}"] += 1
     counters["gla_inductor"]["near_misses"] += len(result.near_misses)
     return result
+
+
+def _fuse_gates(gm: torch.fx.GraphModule) -> int:
+    """Gate fusion (recognize/gate.py) on the rewritten graph; on any internal error the graph
+    goes back to how the GLA rewrite left it."""
+    if not config.fuse_gates or not any(n.target in CHUNK_FWD_TARGETS for n in gm.graph.nodes):
+        return 0
+    backup = _copy(gm)
+    try:
+        fused = fuse_gates(gm)
+    except Exception:
+        log.warning("gla_inductor: gate fusion failed; compiling the unfused GLA ops", exc_info=True)
+        counters["gla_inductor"]["failures"] += 1
+        gm.graph = backup.graph
+        gm.recompile()
+        return 0
+    counters["gla_inductor"]["fused_gates"] += fused
+    return fused
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -103,5 +123,8 @@ def config_patches(mode: str | None = None, options: dict | None = None, dynamic
 
         patches.update(list_mode_options(mode, dynamic))
     patches.update(options or {})
-    patches["post_grad_custom_post_pass"] = cache_key_pass()
+    from torch._inductor import config as inductor_config
+
+    user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+    patches["post_grad_custom_post_pass"] = keyed(user_pass)
     return patches

@@ -35,6 +35,35 @@ def cache_key_pass():
     return key
 
 
+def keyed(user_pass=None):
+    """The pass to hand Inductor: our key, or the user's own post-grad pass run as before with a
+    uuid that covers both (a user pass without one keeps disabling the cache, as it would alone)."""
+    ours = cache_key_pass()
+    if user_pass is None or user_pass is ours or getattr(user_pass, "keyed_by_gla", False):
+        return user_pass or ours
+    return _with_user_pass_class()(user_pass, ours)
+
+
+@functools.cache
+def _with_user_pass_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class WithUserPass(CustomGraphPass):
+        keyed_by_gla = True
+
+        def __init__(self, user_pass, ours):
+            self.user_pass, self.ours = user_pass, ours
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            return self.user_pass(graph)
+
+        def uuid(self):
+            theirs = self.user_pass.uuid() if hasattr(self.user_pass, "uuid") else None
+            return None if theirs is None else repr((theirs, self.ours.uuid())).encode()
+
+    return WithUserPass
+
+
 def key_plain_compiles() -> None:
     """Plain ``torch.compile`` graphs that call our ops run our templates too (the lowerings are
     global): install the key as Inductor's post-grad post pass, unless the user set one. Our backend

@@ -14,6 +14,10 @@ forms: tuple = ("chunked", "loop", "decode", "parallel")
 # Rewrite graphs at all (False: the backend is plain Inductor).
 enabled: bool = True
 
+# Fuse a recognized gate function (logsigmoid(x) / c, log(sigmoid(x)), a * softplus(x + bias))
+# into the GLA op that reads its output, so the kernels read x (gla_inductor.gates).
+fuse_gates: bool = True
+
 # Check every rewritten graph against the original at compile time, on the example inputs,
 # and keep the original where they differ (slow: the naive graph runs once more).
 verify: bool = False

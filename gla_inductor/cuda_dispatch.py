@@ -64,17 +64,24 @@ def gate_kind(g, g_gamma) -> str:
     return "constant" if g_gamma is not None else "none"
 
 
-def chunk_fwd_cuda(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
+def chunk_fwd_cuda(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, *, gate=None,
+                   gate_a=None, gate_bias=None):
+    """``gate``, a ``gates.GateFn``, names the function of g the kernels apply (none: g is the log gate)."""
     from . import ops
     from .triton_chunk import chunk_fwd_triton
 
+    fused = gate is not None and gate.name
     if routes_to_recurrent(q, k, v, g, g_gamma, initial_state):
+        # the recurrent kernel reads log gates: the short sequences it runs make the gate tensor small
+        g = ops._plain_gate(q, k, v, g, gate, gate_a, gate_bias, initial_state) if fused else g
         return _chunk_fwd_recurrent(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
     reason = _unsupported(q, k, v, g, g_gamma, initial_state)
     if reason is not None:
         _note_fallback(reason)
+        g = ops._plain_gate(q, k, v, g, gate, gate_a, gate_bias, initial_state) if fused else g
         return ops._chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
-    return chunk_fwd_triton(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
+    return chunk_fwd_triton(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, gate=gate,
+                            gate_a=gate_a, gate_bias=gate_bias)
 
 
 def _chunk_fwd_recurrent(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
@@ -88,15 +95,19 @@ def _chunk_fwd_recurrent(q, k, v, g, g_gamma, initial_state, scale, output_final
     return o, ht
 
 
-def chunk_bwd_cuda(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
+def chunk_bwd_cuda(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, *, gate=None, gate_a=None,
+                   gate_bias=None):
     from . import ops
     from .triton_chunk import chunk_bwd_triton
 
     reason = _unsupported(q, k, v, g, g_gamma, initial_state)
     if reason is not None:
         _note_fallback(reason)
+        if gate is not None and gate.name:
+            g = ops._plain_gate(q, k, v, g, gate, gate_a, gate_bias, initial_state)
         return ops._chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
-    return chunk_bwd_triton(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    return chunk_bwd_triton(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate=gate, gate_a=gate_a,
+                            gate_bias=gate_bias)
 
 
 def fused_recurrent_cuda(q, k, v, g, g_gamma, state, scale, reverse):

@@ -41,9 +41,10 @@ class Report:
         if self.matches:
             lines.append("")
             lines.append(_table(
-                ["#", "form", "gate", "layout", "shapes", "source"],
+                ["#", "form", "gate", "layout", "shapes", "options", "source"],
                 [
-                    [str(i), m.form, m.gate, m.layout, _shapes(m.shapes), m.source[0] if m.source else "?"]
+                    [str(i), m.form, m.gate, m.layout, _shapes(m.shapes), _options(m.options),
+                     m.source[0] if m.source else "?"]
                     for i, m in enumerate(self.matches)
                 ],
             ))
@@ -79,6 +80,13 @@ def explain(fn, *args, **kwargs) -> Report:
     finally:
         _listeners.remove(listen)
     return report
+
+
+def _options(options: dict) -> str:
+    """What the op does besides the plain forward map: reverse time, an initial state read,
+    the final state produced."""
+    names = {"reverse": "reverse", "initial_state": "h0", "final_state": "ht"}
+    return " ".join(name for key, name in names.items() if options.get(key)) or "-"
 
 
 def _shapes(shapes: dict) -> str:

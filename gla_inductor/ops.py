@@ -19,42 +19,52 @@ Notation, per (batch, head), after the [B, T, H, D] -> [B, H, NT, BT, D] chunkin
 For Kg == 1 the decays of A are one [BT, BT] matrix. A vector gate would need them as
 [BT, BT, K]; instead the chunk is halved recursively (blocks of 2s steps cut in two, s = BT/2 ..
 1), every pair i > j lies across exactly one cut, and there its decay factors into one for i and
-one for j, so that the pairs of a level are a batched matmul (``_Split``).
+one for j, so that the pairs of a level are a batched matmul (``_intra``). The factors come from
+a block scan that multiplies exp(g) over blocks of 1, 2, 4, ... steps (``_scan_step``); it
+carries q and k times them in place, and ends with q * exp(gc) and k * exp(gr), which carry
+the states between chunks. For Kg == 1 the same scan and split build the [BT, BT] decays.
 
-NOTE:[GLA chunk stability] Every exponential is exp of a sum of gates over a span inside one
-chunk: g[j+1] + ... + g[i] for j <= i (Kg == 1), the chunk prefix gc[i], suffix gr[j] = g[j+1] +
-... + g[BT-1] or gl, or for a vector gate the prefix g[m] + ... + g[i] and suffix g[j+1] + ... +
-g[m-1] of a pair across the cut m of a block, whose product is the pair's decay. For g <= 0 they
-are <= 0, so no exponential can overflow however long T is (one that underflows only drops
+NOTE:[GLA chunk stability] Every decay is exp of a sum of gates over a span inside one chunk,
+computed as a product of exp(g[t]) over the span's steps by the block scan, whose every factor is
+the decay of one step or the product over a block of steps, multiplied as a tree. The spans are
+the chunk prefix gc[i], suffix gr[j] = g[j+1] + ... + g[BT-1], gl, and for a pair across the cut
+m of a block the prefix g[m] + ... + g[i] and suffix g[j+1] + ... + g[m-1], whose product is the
+pair's decay exp(g[j+1] + ... + g[i]). For g <= 0 every exponent is <= 0 and every factor and
+product <= 1, so nothing can overflow however long T is (a factor that underflows only drops
 terms smaller still); for g > 0 they grow by at most exp(BT * max g). Each is a factor of a term
 the time loop forms too (exp(span) k_j v_j, exp(gc[i]) h), so it stays in range while the loop's
 state does; the exceptions need a span of one chunk to exceed fp32's exp range (~88, a mean gate
 above 1.38 over 64 steps) while the loop stays finite, i.e. exp(gc[i]) with a state h entering
-the chunk below exp(-88), or a vector-gate cut whose prefix decays that much and whose suffix
+the chunk below exp(-88), or a product one of whose sub-spans decays that much while another
 grows as much (tests/test_bad_input.py checks g up to 1 per step, past the loop's own overflow).
-Pairs above the diagonal are masked to -inf *before* exp, or never formed, so they can produce
-neither inf nor NaN. Spans are summed directly (a cumsum, or the tree sums of ``_block_scan``),
-never as a difference of two long prefix sums, whose rounding error (|sum| * eps) would otherwise
-dominate when gates are strongly negative (and a log gate of -inf, a reset, would give -inf -
-(-inf) = NaN). Likewise dg[t] is summed from the terms that go through exp(g[t]), never as a
-difference of larger sums.
+Pairs above the diagonal are never formed (vector gates), or their decay is 0 and the product
+with it is cleared again by ``tril_``, which writes zeros, so they can produce neither inf nor
+NaN. No decay is ever a difference of two long prefix sums, nor a quotient of two long prefix
+products: the rounding error of the first (|sum| * eps) would dominate when gates are strongly
+negative, the second underflows to 0 / 0, and a log gate of -inf, a reset, would give -inf -
+(-inf) = NaN; a product of the steps' decays is no less accurate than exp of the summed span,
+and a reset makes it 0. Likewise dg[t] is summed from the terms that go through exp(g[t]), never
+as a difference of larger sums.
 
 NOTE:[GLA non-finite inputs] A NaN or Inf in k_t, v_t or g_t reaches o from step t on, one in q_t
 only o_t, as in the time loop (tests/test_bad_input.py): NaN exactly where the loop has NaN; for
 Inf the same non-finite entries, though which are NaN rather than +-Inf may differ (the chunked
-form forms q_i . k_j before multiplying by v_j). Two products would leak such a value to the
-steps before t of its chunk, as 0 * inf = NaN: q k^T times the decay matrix of a scalar gate,
-whose zeros above the diagonal do not mask a non-finite k_j, and A @ v for a non-finite v_j.
-Both are redone in ``_add_intra_nonfinite``, only when the final state is not finite, which
-every non-finite k, v, gate or initial state makes it (a NaN or Inf in a chunk's update survives
-every later decay and sum). Gradients of non-finite inputs are not specified.
+form forms q_i . k_j before multiplying by v_j). One product would leak such a value to the
+steps before t of its chunk, as 0 * inf = NaN: A @ v, whose zeros above the diagonal multiply a
+non-finite v_j all the same (q k^T of a scalar gate has its upper triangle cleared by ``tril_``
+after the product with the decays). It is redone in ``_add_intra_nonfinite``, only when the final state is not
+finite, which every non-finite k, v, gate or initial state makes it (a NaN or Inf in a chunk's
+update survives every later decay and sum). Gradients of non-finite inputs are not specified.
 """
 
-from typing import Callable, Iterator, NamedTuple, Optional
+import math
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .gates import GateFn, gate_grads, log_gate
 
 __all__ = ["chunk_gla", "register_cuda_impl", "BT"]
 
@@ -95,17 +105,38 @@ def _state_dtype(q, k, v, g, g_gamma, initial_state) -> torch.dtype:
     return _compute_dtype(q, k, v, g, g_gamma, initial_state)
 
 
-def _to_chunks(x: Tensor, NT: int, reverse: bool, dtype: torch.dtype) -> Tensor:
+def _to_chunks(
+    x: Tensor,
+    NT: int,
+    reverse: bool,
+    dtype: torch.dtype,
+    *,
+    strided: bool = False,
+    exp: bool = False,
+    scale: float = 1.0,
+) -> Tensor:
     """[B, T, H, D] -> contiguous [B, H, NT, BT, D] in dtype, time-flipped for reverse, zero-padded.
 
     Zero padding is inert: padded steps have k = v = 0 (no state update) and g = 0 (no decay).
-    Contiguous, as the batched matmuls would otherwise copy their operands at every use.
+    Contiguous, as the batched matmuls would otherwise copy their operands at every use; with
+    strided, a view of x where there is one, for operands that only elementwise ops read. With
+    exp, exp(x) (padded with exp(0) = 1), strided (exp's vectorized kernel wants the input's own
+    layout: exp of a transposing view took 3x longer than the copy and an exp after it). With
+    scale, scale * x, in the copy's pass where x is already in dtype (else rounded in x's dtype).
     """
     B, T, H, D = x.shape
+    if (strided or exp) and not reverse and T == NT * BT and x.dtype == dtype:
+        return (x.exp() if exp else x).unflatten(1, (NT, BT)).permute(0, 3, 1, 2, 4)
     chunks = x.new_empty(B, H, NT * BT, D, dtype=dtype)
-    chunks[:, :, :T] = (x.flip(1) if reverse else x).transpose(1, 2)
+    src = (x.flip(1) if reverse else x).transpose(1, 2)
+    if scale != 1.0 and x.dtype == dtype:
+        torch.mul(src, scale, out=chunks[:, :, :T])
+    else:
+        chunks[:, :, :T] = src
+        if scale != 1.0:
+            chunks[:, :, :T].mul_(scale)
     chunks[:, :, T:] = 0
-    return chunks.view(B, H, NT, BT, D)
+    return chunks.view(B, H, NT, BT, D).exp_() if exp else chunks.view(B, H, NT, BT, D)
 
 
 def _from_chunks(x: Tensor, T: int, reverse: bool, dtype: torch.dtype) -> Tensor:
@@ -116,113 +147,149 @@ def _from_chunks(x: Tensor, T: int, reverse: bool, dtype: torch.dtype) -> Tensor
     return x.to(dtype).contiguous()
 
 
-def _log_gate(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> Tensor:
-    """Every gate kind as a per-step log gate [B, T, H, Kg]."""
-    B, T, H, _ = q.shape
+def _log_gate(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> Optional[Tensor]:
+    """Every gate kind as a per-step log gate [B, T, H, Kg]; None without a gate.
+
+    A constant gate is [1, T, H, 1]: its decays are the same for every batch entry, so they are
+    computed once and broadcast.
+    """
     if g is not None:
         return g if g.dim() == 4 else g.unsqueeze(-1)
     if g_gamma is not None:
-        return g_gamma.view(1, 1, H, 1).expand(B, T, H, 1)
-    return q.new_zeros(B, T, H, 1)
+        _, T, H, _ = q.shape
+        return g_gamma.view(1, 1, H, 1).expand(1, T, H, 1)
+    return None
 
 
 class _Chunked(NamedTuple):
     q: Tensor  # [B, H, NT, BT, K]
     k: Tensor  # [B, H, NT, BT, K]
     v: Tensor  # [B, H, NT, BT, V]
-    g: Tensor  # [B, H, NT, BT, Kg], the log gate of every step
+    g: Optional[Tensor]  # Kg == 1: the log gate of every step, [B, H, NT, BT, 1] (B = 1 if constant)
+    e: Optional[Tensor]  # vector gate: exp(g), the decay of every step, [B, H, NT, BT, K], maybe strided
     h0: Tensor  # [B, H, K, V]
 
 
-def _prepare(q, k, v, g, g_gamma, initial_state, reverse) -> _Chunked:
+def _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=()) -> _Chunked:
+    """The inputs in chunks.
+
+    With a vector gate, the inputs named in strided ("q", "k") may be strided views of the input
+    (see ``_to_chunks``): only elementwise ops read them there.
+    """
     dtype = _compute_dtype(q, k, v, g, g_gamma, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = -(-T // BT)
+    vector = g is not None and g.dim() == 4
 
-    def chunks(x):
-        return _to_chunks(x, NT, reverse, dtype)
+    def chunks(x, name="", exp=False):
+        return _to_chunks(x, NT, reverse, dtype, strided=vector and name in strided, exp=exp)
 
     if initial_state is None:
         h0 = q.new_zeros(B, H, K, V, dtype=dtype)
     else:
         h0 = initial_state.to(dtype)
-    return _Chunked(chunks(q), chunks(k), chunks(v), chunks(_log_gate(q, g, g_gamma)), h0)
+    log_gate = None if vector else _log_gate(q, g, g_gamma)
+    return _Chunked(
+        chunks(q, "q"),
+        chunks(k, "k"),
+        chunks(v),
+        None if log_gate is None else chunks(log_gate),
+        chunks(g, exp=True) if vector else None,
+        h0,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
-# gate sums: the block scan
+# decays: products of exp(g) over spans, by a block scan
 # ----------------------------------------------------------------------------------------------
 
 
-def _block_sizes() -> list[int]:
-    """1, 2, 4, ..., BT."""
-    return [1 << n for n in range(BT.bit_length())]
+def _levels() -> list[int]:
+    """The half-block sizes s = 1, 2, 4, ..., BT / 2 of the block scan and of the split."""
+    return [1 << n for n in range(BT.bit_length() - 1)]
+
+
+def _half(x: Tensor, s: int, right: bool) -> Tensor:
+    """View of the left or right half of every block of 2s steps (dim -2): [..., n / (2s), s, D].
+
+    One as_strided, not unflatten and select: the levels take a few dozen such views per call.
+    """
+    *lead, n, d = x.shape
+    *lead_strides, st, sd = x.stride()
+    size, stride = (*lead, n // (2 * s), s, d), (*lead_strides, 2 * s * st, st, sd)
+    return x.as_strided(size, stride, x.storage_offset() + s * st * right)
 
 
 def _halves(x: Tensor, s: int) -> tuple[Tensor, Tensor]:
     """Views of the left and right halves of every block of 2s steps: [..., BT / (2s), s, D] each."""
-    x = x.unflatten(-2, (BT // (2 * s), 2, s))
-    return x[..., 0, :, :], x[..., 1, :, :]
+    return _half(x, s, False), _half(x, s, True)
 
 
-def _block_scan(g: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """(s, pre, suf) for s = 1, 2, 4, ..., BT, with the steps of each chunk in blocks of s:
+def _scan_step(total: Tensor, right_half: Tensor, left_half: Tensor) -> Tensor:
+    """One step of the block scan, from blocks of s steps to blocks of 2s; returns the new totals.
 
-    pre[i] = g summed from the start of i's block through i, and suf[j] = g summed from after j
-    to the end of j's block, [..., BT, Kg] each; at s = BT they are gc and gr. Going to 2s adds
-    the total of each left half to the prefixes of its right half, and that of each right half to
-    the suffixes of its left half, so every entry is a direct (tree) sum of the gates it spans,
-    never a difference. pre and suf are updated in place after each yield.
+    total [..., BT / s, Kg] holds the decay over every block, the product of exp(g) over its
+    steps; right [..., BT, Kg'] the decay from the start of each step's block through the step,
+    left that from after the step to the end of its block, each times any factor (q, k), and
+    maybe with more leading dims; the step takes ``_half(right, s, True)`` and
+    ``_half(left, s, False)``. Within a block of 2s, the steps of the right half take in the left
+    half's total, those of the left half the right half's: every product a tree of factors, never
+    a quotient. In place on right and left; the scan begins at s = 1 with right = exp(g), left = 1
+    and total = exp(g), and ends at s = BT with exp(gc), exp(gr) and exp(gl).
     """
-    pre, suf = g.clone(), torch.zeros_like(g)
-    for s in _block_sizes():
-        yield s, pre, suf
-        if s == BT:
-            return
-        (pre_l, pre_r), (suf_l, _) = _halves(pre, s), _halves(suf, s)
-        suf_l.add_(pre_r[..., -1:, :])
-        pre_r.add_(pre_l[..., -1:, :])
+    left_total, right_total = _halves(total, 1)  # [..., BT / (2s), 1, Kg]
+    right_half.mul_(left_total)
+    left_half.mul_(right_total)
+    return torch.mul(left_total, right_total).squeeze(-2)
 
 
-def _block_scan_grad(dpre: Tensor, dsuf: Tensor, level_grads: Optional[Tensor]) -> Tensor:
-    """Gradient w.r.t. g through ``_block_scan``, from those w.r.t. its final pre and suf (gc, gr).
+def _block_scan_grad(dpre: Tensor, dsuf: Tensor, level_grads: Tensor) -> Tensor:
+    """Gradient w.r.t. g through the block scan, from those w.r.t. its final log decays gc, gr.
 
-    level_grads[n], if given, holds the gradients w.r.t. pre on the right halves and suf on the
-    left halves at s = 2**n (where ``_split`` reads them). Runs the scan backwards, in place;
-    every step only adds, so each dg[t] stays a sum of the terms that go through exp(g[t]).
+    In log space the scan adds: pre (log right) on a right half gains the left half's total, suf
+    (log left) on a left half the right half's, and the totals are pre at the ends of the blocks.
+    level_grads[n] holds the gradients w.r.t. pre on the right halves and suf on the left halves
+    at s = 2**n (where the split reads them). Runs the scan backwards, in place; every step only
+    adds, so each dg[t] stays a sum of the terms that go through exp(g[t]).
     """
-    for n in reversed(range(BT.bit_length() - 1)):
-        s = 1 << n
-        (dpre_l, dpre_r), (dsuf_l, _) = _halves(dpre, s), _halves(dsuf, s)
+    for s in reversed(_levels()):
+        (dpre_l, dpre_r), dsuf_l = _halves(dpre, s), _half(dsuf, s, False)
         right_total = dpre_r.sum(-2, keepdim=True)
         dpre_r[..., -1:, :].add_(dsuf_l.sum(-2, keepdim=True))
         dpre_l[..., -1:, :].add_(right_total)
-        if level_grads is not None:
-            grad_l, grad_r = _halves(level_grads[n], s)
-            dpre_r.add_(grad_r)
-            dsuf_l.add_(grad_l)
+        grad_l, grad_r = _halves(level_grads[s.bit_length() - 1], s)
+        dpre_r.add_(grad_r)
+        dsuf_l.add_(grad_l)
     return dpre  # pre = g at s = 1
 
 
-class _Gates(NamedTuple):
-    """Chunk-level log decays of every chunk, [B, H, NT, BT, Kg]."""
+class _Decays(NamedTuple):
+    """Decays of every chunk, [..., BT, Kg]."""
 
-    gc: Tensor  # inclusive prefix sum: log decay from the chunk start through step i
-    gr: Tensor  # exclusive suffix sum: log decay from after step j to the chunk end
-
-    @property
-    def gl(self) -> Tensor:
-        """Log decay of the whole chunk, [..., 1, Kg]."""
-        return self.gc[..., -1:, :]
+    qd: Tensor  # exp(gc): from the chunk start through step i
+    kd: Tensor  # exp(gr): from after step j to the chunk end
+    total: Tensor  # exp(gl): over the whole chunk, [..., 1, Kg]
 
 
-def _make_gates(g: Tensor) -> _Gates:
-    # by the block scan, a direct sum: gr taken as gl - gc would carry an error of |gl| * eps
-    # into every entry when a chunk decays hard
-    for s, pre, suf in _block_scan(g):
-        pass
-    return _Gates(pre, suf)
+def _pair_decay(g: Tensor) -> tuple[Tensor, _Decays]:
+    """D[i, j] = exp(g[j+1] + ... + g[i]) for j <= i and 0 above the diagonal, [..., BT, BT], for
+    Kg == 1, and the chunk decays.
+
+    By the split of the block scan, as for a vector gate: the pairs across the cuts of level s
+    take the outer product of the decays into the right halves and out of the left halves, so D is
+    a product of exp(g) over the span, never exp(gc[i] - gc[j]). Its zeros do not clear a
+    non-finite factor: products with D are masked again by ``tril_``, which writes zeros.
+    """
+    e = g.exp()
+    D = e.new_zeros(*e.shape[:-1], BT)
+    D.diagonal(dim1=-2, dim2=-1).fill_(1)
+    right, left, total = e.clone(), torch.ones_like(e), e
+    for s in _levels():
+        right_half, left_half = _half(right, s, True), _half(left, s, False)
+        torch.mul(right_half, left_half.mT, out=_cross_blocks(D, s))
+        total = _scan_step(total, right_half, left_half)
+    return D, _Decays(right, left, total)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,62 +298,49 @@ def _make_gates(g: Tensor) -> _Gates:
 #
 # A[i, j] = sum_k q[i, k] k[j, k] E[i, j, k] for j <= i, with E the decay over the span (j, i].
 # One decay for all K (Kg == 1): E is a [BT, BT] matrix and A a masked matmul. A vector gate
-# would need E as [BT, BT, K]; instead A is built level by level of the block scan, as matmuls.
+# would need E as [BT, BT, K]; instead the chunk is split level by level of the block scan:
+#
+# Every pair i > j of a chunk lies across the cut m of exactly one level s, a block of 2s steps
+# whose halves hold i and j. There its decay exp(g[j+1] + ... + g[i]) is qd[i] kd[j]: qd[i] =
+# exp(g[m] + ... + g[i]) from the start of the right half (right at s), kd[j] = exp(g[j+1] + ...
+# + g[m-1]) to the end of the left half (left at s). So the scores of the pairs across the cuts
+# of level s are one batched matmul of q * qd by (k * kd)^T. See NOTE:[GLA chunk stability].
 
 
-def _pair_decay(g: Tensor) -> Tensor:
-    """E = exp(g[j+1] + ... + g[i]) for j <= i and 0 above the diagonal, [..., BT, BT], for Kg == 1.
+class _Intra(NamedTuple):
+    """The in-chunk part of the forward, and the decayed q and k that carry the states."""
 
-    The spans are summed directly (a cumsum over i of the steps after j) instead of as
-    gc[i] - gc[j]. Pairs above the diagonal are masked to -inf before exp.
-    """
-    causal = torch.ones(BT, BT, dtype=torch.bool, device=g.device).tril()
-    span = torch.where(causal.tril(-1), g, 0).cumsum(-2)
-    return span.masked_fill_(~causal, float("-inf")).exp_()
-
-
-class _Split(NamedTuple):
-    """One level of the split: blocks of 2s steps, each cut at m, the start of its right half.
-
-    Every pair i > j of a chunk lies across the cut of exactly one level, where its decay
-    exp(g[j+1] + ... + g[i]) is qd[i] kd[j]: qd[i] = exp(g[m] + ... + g[i]) into the right half
-    (pre at s), kd[j] = exp(g[j+1] + ... + g[m-1]) out of the left half (suf at s). Each is the
-    exp of a direct sum of gates inside one half, <= 1 for g <= 0. See NOTE:[GLA chunk stability].
-    """
-
-    s: int
-    qd: Tensor  # [..., BT / (2s), s, K], right halves
-    kd: Tensor  # left halves
-    qs: Tensor  # q * qd
-    ks: Tensor  # k * kd
-
-    def scores(self) -> Tensor:
-        """A at (right half, left half) of every block: [..., BT / (2s), s, s]."""
-        return self.qs @ self.ks.mT
-
-
-def _split(q: Tensor, k: Tensor, s: int, pre: Tensor, suf: Tensor, work: Tensor) -> _Split:
-    """Level s from the block scan's pre and suf at s, in work ([2, ..., BT, K], for every level)."""
-    (kd, qd), (ks, qs) = _halves(work[0], s), _halves(work[1], s)
-    torch.exp(_halves(pre, s)[1], out=qd)
-    torch.exp(_halves(suf, s)[0], out=kd)
-    torch.mul(_halves(q, s)[1], qd, out=qs)
-    torch.mul(_halves(k, s)[0], kd, out=ks)
-    return _Split(s, qd, kd, qs, ks)
+    A: Tensor  # [..., BT, BT], zero above the diagonal
+    qg: Tensor  # q * exp(gc), [..., BT, K]
+    kg: Tensor  # k * exp(gr)
+    decay: Optional[Tensor]  # exp(gl), [..., 1, Kg]; None without a gate
 
 
 def _cross_blocks(A: Tensor, s: int) -> Tensor:
     """View of A [..., BT, BT] at (right half, left half) of every block of 2s: [..., BT / (2s), s, s]."""
-    nb = BT // (2 * s)
-    A = A.unflatten(-1, (nb, 2, s)).unflatten(-4, (nb, 2, s))  # [..., nb, 2, s, nb, 2, s]
-    return A.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
+    *lead, n, _ = A.shape
+    *lead_strides, sr, sc = A.stride()
+    size, stride = (*lead, n // (2 * s), s, s), (*lead_strides, 2 * s * (sr + sc), sr, sc)
+    return A.as_strided(size, stride, A.storage_offset() + s * sr)
+
+
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for operands of one batch shape, as one bmm (matmul's batch folding takes ~10 ops)."""
+    return torch.bmm(a.flatten(0, -3), b.flatten(0, -3)).view(*a.shape[:-1], b.shape[-1])
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
     """a @ b; a contraction of 1 or 2 as outer products, where CPU bmm takes a ~10x slower path."""
     if a.shape[-1] > 2:
-        return a @ b
+        return _bmm(a, b)
     return sum(a[..., c : c + 1] * b[..., c : c + 1, :] for c in range(a.shape[-1]))
+
+
+def _scores(qs: Tensor, ks: Tensor) -> Tensor:
+    """qs @ ks^T for the blocks of one level, [..., s, K] each; s = 1 as a dot product."""
+    if qs.shape[-2] == 1:
+        return torch.linalg.vecdot(qs, ks).unsqueeze(-1)
+    return _bmm(qs, ks.mT)
 
 
 def _diag_scores(q: Tensor, k: Tensor) -> Tensor:
@@ -296,75 +350,90 @@ def _diag_scores(q: Tensor, k: Tensor) -> Tensor:
     return A
 
 
-def _intra_scores(q: Tensor, k: Tensor, g: Tensor) -> tuple[Tensor, _Gates]:
-    """The in-chunk attention matrix A, [..., BT, BT] zero above the diagonal, and the gates."""
-    if g.shape[-1] == 1:
-        return (q @ k.mT).mul_(_pair_decay(g)), _make_gates(g)
-    A, work = _diag_scores(q, k), q.new_empty(2, *q.shape)
-    for s, pre, suf in _block_scan(g):
-        if s == BT:
-            break  # pre and suf now sum over whole chunks
-        _cross_blocks(A, s).copy_(_split(q, k, s, pre, suf, work).scores())
-    return A, _Gates(pre, suf)
+def _intra(q: Tensor, k: Tensor, g: Optional[Tensor], e: Optional[Tensor]) -> _Intra:
+    """A and the decayed q, k, for every gate kind (``_Chunked``'s g and e).
+
+    With a vector gate, q may be strided (``_prepare``), and k is decayed in place.
+    """
+    if e is not None:
+        # the split: q * right and k * left scanned in place; e = exp(g), the totals at s = 1
+        A, qg, kg, total = _diag_scores(q, k), torch.mul(q, e, out=e.new_empty(e.shape)), k, e
+        for s in _levels():
+            qs, ks = _half(qg, s, True), _half(kg, s, False)
+            _cross_blocks(A, s).copy_(_scores(qs, ks))
+            total = _scan_step(total, qs, ks)
+        return _Intra(A, qg, kg, total)
+    if g is None:
+        return _Intra(_bmm(q, k.mT).tril_(), q, k, None)
+    D, decays = _pair_decay(g)
+    return _Intra(_bmm(q, k.mT).mul_(D).tril_(), q * decays.qd, k * decays.kd, decays.total)
 
 
 class _IntraGrads(NamedTuple):
-    """What the backward needs of the in-chunk part; the gates come from the same block scan."""
+    """What the backward needs of the in-chunk part."""
 
-    A: Tensor
+    fwd: _Intra
+    decays: Optional[_Decays]  # exp(gc), exp(gr), exp(gl); None without a gate
     dq: Tensor
     dk: Tensor
-    gates: _Gates
     dg: Optional[Tensor]  # Kg == 1: the part of dg through the in-chunk decays
     level_grads: Optional[Tensor]  # vector gate: the same as gradients for ``_block_scan_grad``
 
 
-def _intra_grads(q, k, g, dA, with_dg: bool) -> _IntraGrads:
-    """``_intra_scores``, dq and dk of A given dA, and (with_dg) its gradient w.r.t. the gates.
+def _intra_grads(q, k, g, e, dA) -> _IntraGrads:
+    """``_intra``, dq and dk of A given dA, and with a gate its gradient w.r.t. the gates.
 
     dE[i, j] / dg[t] = E[i, j] for j < t <= i, so dg[t] sums M[i, j] = dA[i, j] q[i] k[j] E[i, j]
     over the pairs whose span holds t: every term is a well-scaled part of the result.
     NB the shorter telescoping form, a reverse cumsum of q dq - k dk, cancels O(1) terms down to
     an O(exp(g)) result, and loses all precision under strong decay (seen: 4e3 relative error on
-    dg_gamma with g ~ U[-20, 0], T = 4096 in fp32).
+    dg_gamma with g ~ U[-20, 0], T = 4096 in fp32). With a vector gate, q and k may be strided.
     """
-    if g.shape[-1] == 1:
-        return _pair_grads(q, k, g, dA, with_dg)
-    A, work = _diag_scores(q, k), q.new_empty(2, *q.shape)
+    if g is None and e is None:
+        dA = dA.tril_()
+        fwd = _Intra(_bmm(q, k.mT).tril_(), q, k, None)
+        return _IntraGrads(fwd, None, _bmm(dA, k), _bmm(dA.mT, q), None, None)
+    if e is None:
+        return _pair_grads(q, k, g, dA)
+    A = _diag_scores(q, k)
     dA_ii = dA.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
-    dq, dk = dA_ii * k, dA_ii * q  # the diagonal spans nothing: no dg
-    level_grads = q.new_empty(BT.bit_length() - 1, *q.shape) if with_dg else None
-    for s, pre, suf in _block_scan(g):
-        if s == BT:
-            break
-        level = _split(q, k, s, pre, suf, work)
-        _cross_blocks(A, s).copy_(level.scores())
-        b_dA = _cross_blocks(dA, s)
-        b_dq = _mm(b_dA, level.ks).mul_(level.qd)
-        b_dk = _mm(b_dA.mT, level.qs).mul_(level.kd)
-        _halves(dq, s)[1].add_(b_dq)
-        _halves(dk, s)[0].add_(b_dk)
-        if with_dg:
-            # q dq is the gradient w.r.t. pre on the right (through qd), k dk that w.r.t. suf on
-            # the left (through kd)
-            grad_l, grad_r = _halves(level_grads[s.bit_length() - 1], s)
-            torch.mul(b_dq, _halves(q, s)[1], out=grad_r)
-            torch.mul(b_dk, _halves(k, s)[0], out=grad_l)
-    return _IntraGrads(A, dq, dk, _Gates(pre, suf), None, level_grads)
+    # the diagonal spans nothing: no dg; out= keeps dq, dk contiguous whatever q and k's strides
+    dq, dk = torch.mul(dA_ii, k, out=e.new_empty(e.shape)), torch.mul(dA_ii, q, out=e.new_empty(e.shape))
+    # the scan carries the decays (for dq, dk) and q, k times them (the split's operands) at once
+    right, left = e.new_empty(2, *e.shape), e.new_empty(2, *e.shape)
+    torch.mul(q, e, out=right[0])
+    right[1], left[0], left[1] = e, k, 1
+    level_grads = q.new_empty(len(_levels()), *e.shape)
+    total = e
+    for n, s in enumerate(_levels()):
+        right_half, left_half = _half(right, s, True), _half(left, s, False)
+        (qs, qd), (ks, kd) = right_half.unbind(0), left_half.unbind(0)
+        _cross_blocks(A, s).copy_(_scores(qs, ks))
+        b_dA = _cross_blocks(dA, s).contiguous()  # one copy for both products, not one each
+        b_dqs, b_dks = _mm(b_dA, ks), _mm(b_dA.mT, qs)  # w.r.t. q * qd and k * kd
+        _half(dq, s, True).addcmul_(b_dqs, qd)
+        _half(dk, s, False).addcmul_(b_dks, kd)
+        # (q qd) d(q qd) is the gradient w.r.t. pre on the right (log qd), (k kd) d(k kd) that
+        # w.r.t. suf on the left
+        grad_l, grad_r = _halves(level_grads[n], s)
+        torch.mul(b_dqs, qs, out=grad_r)
+        torch.mul(b_dks, ks, out=grad_l)
+        total = _scan_step(total, right_half, left_half)
+    (qg, qd), (kg, kd) = right.unbind(0), left.unbind(0)
+    return _IntraGrads(_Intra(A, qg, kg, total), _Decays(qd, kd, total), dq, dk, None, level_grads)
 
 
-def _pair_grads(q, k, g, dA, with_dg: bool) -> _IntraGrads:
+def _pair_grads(q, k, g, dA) -> _IntraGrads:
     """``_intra_grads`` for Kg == 1, through the [BT, BT] decay matrix."""
-    E = _pair_decay(g)
-    QK = q @ k.mT
-    dAE = dA * E  # zero above the diagonal
-    dg = None
-    if with_dg:
-        M = dAE * QK
-        # exclusive cumsum by shifting, not by subtracting: M_ii is O(1), the sums it would hide are not
-        R = F.pad(M[..., :, :-1], (1, 0)).cumsum(-1)  # R[i, t] = sum_{j < t} M[i, j]
-        dg = R.tril_().sum(-2).unsqueeze(-1)  # then the sum over i >= t
-    return _IntraGrads(QK.mul_(E), dAE @ k, dAE.mT @ q, _make_gates(g), dg, None)
+    D, decays = _pair_decay(g)
+    QK = _bmm(q, k.mT)
+    dAD = (dA * D).tril_()
+    M = dAD * QK
+    # exclusive cumsum by shifting, not by subtracting: M_ii is O(1), the sums it would hide are not
+    R = F.pad(M[..., :, :-1], (1, 0)).cumsum(-1)  # R[i, t] = sum_{j < t} M[i, j]
+    dg = R.tril_().sum(-2).unsqueeze(-1)  # then the sum over i >= t
+    fwd = _Intra(QK.mul_(D).tril_(), q * decays.qd, k * decays.kd, decays.total)
+    return _IntraGrads(fwd, decays, _bmm(dAD, k), _bmm(dAD.mT, q), dg, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,26 +441,32 @@ def _pair_grads(q, k, g, dA, with_dg: bool) -> _IntraGrads:
 # ----------------------------------------------------------------------------------------------
 
 
-def _state_scan(update: Tensor, gl: Tensor, x: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
-    """x <- exp(gl[n]) x + update[n] over the chunks n (downwards for reverse), from x = [B, H, K, V].
+def _state_scan(
+    update: Tensor, decay: Optional[Tensor], x: Tensor, reverse: bool = False
+) -> tuple[Tensor, Tensor]:
+    """x <- decay[n]^T * x + update[n] over the chunks n (downwards for reverse), from x = [B, H, K, V].
 
-    Returns x before every step, [B, H, NT, K, V], and after the last. With update the keys
-    decayed to the chunk end times v, that is the state entering every chunk and the final state;
-    backwards, with scale * q decayed from the chunk start times do, the gradient w.r.t. the state
-    leaving every chunk and dh0.
+    decay [B, H, NT, 1, Kg] (None: 1) scales the rows of x. Returns x before every step,
+    [B, H, NT, K, V], and after the last. With update the keys decayed to the chunk end times v,
+    that is the state entering every chunk and the final state; backwards, with scale * q decayed
+    from the chunk start times do, the gradient w.r.t. the state leaving every chunk and dh0.
     """
-    decay = gl.mT.exp()  # [B, H, NT, Kg, 1]
     before = torch.empty_like(update)
-    for n in reversed(range(update.shape[2])) if reverse else range(update.shape[2]):
-        before[:, :, n] = x
-        x = torch.addcmul(update[:, :, n], decay[:, :, n], x)
-    return before, x
+    updates, states = update.unbind(2), before.unbind(2)
+    decays = None if decay is None else decay.mT.unbind(2)  # [B, H, Kg, 1] each
+    order = list(range(len(updates) - 1, -1, -1) if reverse else range(len(updates)))
+    if not order:
+        return before, x
 
+    def step(n, out=None):
+        if decays is None:
+            return torch.add(updates[n], states[n], out=out)
+        return torch.addcmul(updates[n], decays[n], states[n], out=out)
 
-def _decayed(x: Tensor, log_decay: Tensor) -> Tensor:
-    """x * exp(log_decay), with a single [..., BT, K] temporary for a vector gate."""
-    decay = log_decay.exp()
-    return decay.mul_(x) if decay.shape == x.shape else x * decay
+    states[order[0]].copy_(x)
+    for n, after in zip(order, order[1:]):
+        step(n, out=states[after])  # written in place: no copy of every state
+    return before, step(order[-1])
 
 
 def _batched(x: Tensor) -> Tensor:
@@ -407,12 +482,10 @@ def _fresh(x: Tensor, dtype: torch.dtype) -> Tensor:
 def _add_intra_nonfinite(o: Tensor, A: Tensor, v: Tensor) -> None:
     """o += A @ v chunk by chunk, for inputs that are not all finite. See NOTE:[GLA non-finite inputs].
 
-    Step j feeds rows i >= j only, but the matmul multiplies the zeros above the diagonal by
-    k_j (in A, scalar gates) and v_j all the same: masking A again clears the first, and chunks
-    holding a non-finite v take a masked elementwise product instead of the matmul.
+    Step j feeds rows i >= j only, but the matmul multiplies the zeros of A above the diagonal by
+    v_j all the same: chunks holding a non-finite v take a masked elementwise product instead.
     """
     causal = torch.ones(BT, BT, dtype=torch.bool, device=A.device).tril()
-    A.masked_fill_(~causal, 0)
     bad = ~torch.isfinite(v).flatten(-2).all(-1)  # [B, H, NT]: chunks with a non-finite v
     good = bad.logical_not()
     o[good] += A[good] @ v[good]
@@ -430,45 +503,53 @@ def _add_intra_nonfinite(o: Tensor, A: Tensor, v: Tensor) -> None:
 # would refuse inputs that require grad when called outside the op
 @torch.no_grad()
 def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
-    x = _prepare(q, k, v, g, g_gamma, initial_state, reverse)
-    A, gates = _intra_scores(x.q, x.k, x.g)
-    h, ht = _state_scan(_decayed(x.k, gates.gr).mT @ x.v, gates.gl, x.h0)
-    o = _decayed(x.q, gates.gc) @ h
+    x = _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=("q",))
+    intra = _intra(x.q, x.k, x.g, x.e)
+    h, ht = _state_scan(_bmm(intra.kg.mT, x.v), intra.decay, x.h0)
+    o = _bmm(intra.qg, h)
     # a non-finite k, v, gate or initial state always reaches the final state (see NOTE:[GLA
-    # non-finite inputs]): this one small check keeps the finite path as it is
-    if torch.isfinite(ht).all():
-        _batched(o).baddbmm_(_batched(A), _batched(x.v))
+    # non-finite inputs]): this one small check keeps the finite path as it is. Its sum is
+    # non-finite then too (and, harmlessly, when it overflows): cheaper than isfinite(ht).all()
+    if math.isfinite(ht.sum()):
+        _batched(o).baddbmm_(_batched(intra.A), _batched(x.v), beta=scale, alpha=scale)
     else:
-        _add_intra_nonfinite(o, A, x.v)
-    o = _from_chunks(o.mul_(scale), q.shape[1], reverse, _output_dtype(q, k, v))
+        _add_intra_nonfinite(o, intra.A, x.v)
+        o.mul_(scale)
+    o = _from_chunks(o, q.shape[1], reverse, _output_dtype(q, k, v))
     state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
     return o, (_fresh(ht, state_dtype) if output_final_state else q.new_empty(0, dtype=state_dtype))
 
 
 @torch.no_grad()
 def _chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
-    x = _prepare(q, k, v, g, g_gamma, initial_state, reverse)
+    x = _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=("q", "k"))
     T = q.shape[1]
-    b_do = _to_chunks(do, x.q.shape[2], reverse, x.q.dtype)
-    with_dg = g is not None or g_gamma is not None
-    intra = _intra_grads(x.q, x.k, x.g, (b_do @ x.v.mT).mul_(scale), with_dg)
+    b_do = _to_chunks(do, x.v.shape[2], reverse, x.v.dtype, scale=scale)  # do only ever enters times scale
+    with_dg = x.g is not None or x.e is not None
+    intra = _intra_grads(x.q, x.k, x.g, x.e, _bmm(b_do, x.v.mT))
+    fwd, decays = intra.fwd, intra.decays
 
-    gates = intra.gates
-    qd, kd = gates.gc.exp(), gates.gr.exp()  # decay from the chunk start / to its end
-    k_out = kd * x.k  # decayed to the chunk end
-    h, _ = _state_scan(k_out.mT @ x.v, gates.gl, x.h0)  # entering each chunk
+    h, _ = _state_scan(_bmm(fwd.kg.mT, x.v), fwd.decay, x.h0)  # entering each chunk
     dht = torch.zeros_like(x.h0) if dht is None else dht
-    dh, dh0 = _state_scan((qd * x.q).mT @ (scale * b_do), gates.gl, dht, reverse=True)  # leaving it
+    dh, dh0 = _state_scan(_bmm(fwd.qg.mT, b_do), fwd.decay, dht, reverse=True)  # leaving it
 
-    dq_h = (b_do @ h.mT).mul_(qd).mul_(scale)  # through the state entering the chunk
-    dk_h = (x.v @ dh.mT).mul_(kd)  # through the state leaving it
-    dv = k_out @ dh
-    _batched(dv).baddbmm_(_batched(intra.A.mT), _batched(b_do), alpha=scale)
-    dgate = _gate_grad(x.q * dq_h, x.k * dk_h, h, dh, intra) if with_dg else None
+    dq_h = _bmm(b_do, h.mT)  # through the state entering the chunk, w.r.t. q * exp(gc)
+    dk_h = _bmm(x.v, dh.mT)  # through the state leaving it, w.r.t. k * exp(gr)
+    dv = _bmm(fwd.kg, dh)
+    _batched(dv).baddbmm_(_batched(fwd.A.mT), _batched(b_do))
+    dgate = None
+    if with_dg:
+        # q dq^h and k dk^h, the gradients w.r.t. gc and gr, before dq^h and dk^h take the decays
+        dgate = _gate_grad(dq_h * fwd.qg, dk_h * fwd.kg, h, dh, intra)
+        intra.dq.addcmul_(dq_h, decays.qd)
+        intra.dk.addcmul_(dk_h, decays.kd)
+    else:
+        intra.dq.add_(dq_h)
+        intra.dk.add_(dk_h)
     dg, dg_gamma = _split_gate_grad(dgate, T, reverse, q, g, g_gamma)
     return (
-        _from_chunks(intra.dq.add_(dq_h), T, reverse, q.dtype),
-        _from_chunks(intra.dk.add_(dk_h), T, reverse, k.dtype),
+        _from_chunks(intra.dq, T, reverse, q.dtype),
+        _from_chunks(intra.dk, T, reverse, k.dtype),
         _from_chunks(dv, T, reverse, v.dtype),
         dg,
         dg_gamma,
@@ -485,11 +566,15 @@ def _gate_grad(d_gc: Tensor, d_gr: Tensor, h: Tensor, dh: Tensor, intra: _IntraG
     gl = gc[BT - 1]; every one of their terms carries exp(g_t).
     """
     h_dh = torch.linalg.vecdot(h, dh).unsqueeze(-2)  # [..., 1, K]
-    if intra.gates.gc.shape[-1] == 1:
-        d_gc, d_gr, h_dh = (t.sum(-1, keepdim=True) for t in (d_gc, d_gr, h_dh))
-    d_gc[..., -1:, :].addcmul_(intra.gates.gl.exp(), h_dh)
-    dg = _block_scan_grad(d_gc, d_gr, intra.level_grads)
-    return dg if intra.dg is None else dg.add_(intra.dg)
+    if intra.level_grads is not None:
+        d_gc[..., -1:, :].addcmul_(intra.decays.total, h_dh)
+        return _block_scan_grad(d_gc, d_gr, intra.level_grads)
+    d_gc, d_gr, h_dh = (t.sum(-1, keepdim=True) for t in (d_gc, d_gr, h_dh))
+    d_gc[..., -1:, :].addcmul_(intra.decays.total, h_dh)
+    # gc[i] sums g[t] for t <= i, gr[j] for t > j: reverse and exclusive cumsums, direct sums of terms
+    dg = d_gc.flip(-2).cumsum(-2).flip(-2)
+    dg[..., 1:, :].add_(d_gr[..., :-1, :].cumsum(-2))
+    return dg.add_(intra.dg)
 
 
 def _split_gate_grad(dgate, T, reverse, q, g, g_gamma) -> tuple[Tensor, Tensor]:
@@ -520,12 +605,30 @@ def chunk_fwd(
     scale: float,
     output_final_state: bool,
     reverse: bool,
+    gate_fn: str = "",
+    gate_scale: float = 1.0,
+    gate_lo: Optional[float] = None,
+    gate_hi: Optional[float] = None,
+    gate_a: Optional[Tensor] = None,
+    gate_bias: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """GLA forward. Returns (o [B, T, H, V], final state [B, H, K, V], or [0] when not requested)."""
+    """GLA forward. Returns (o [B, T, H, V], final state [B, H, K, V], or [0] when not requested).
+
+    With ``gate_fn``, g holds the input of that gate function (``gla_inductor.gates``)."""
+    fn = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
     impl = _CUDA_IMPL["fwd"] if q.is_cuda else None
-    if impl is None:
-        impl = _chunk_fwd_torch
-    return impl(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
+    if impl is not None:
+        return impl(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
+                    gate=fn, gate_a=gate_a, gate_bias=gate_bias)
+    g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
+    return _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
+
+
+def _plain_gate(q, k, v, g, fn: GateFn, gate_a, gate_bias, initial_state) -> Optional[Tensor]:
+    """The log gate itself, computing a fused gate function of g in the ops' compute dtype."""
+    if not fn.name:
+        return g
+    return log_gate(g, fn, gate_a, gate_bias, _compute_dtype(q, k, v, g, initial_state, gate_a, gate_bias))
 
 
 def _register_lowerings() -> None:
@@ -536,7 +639,8 @@ def _register_lowerings() -> None:
 
 
 @chunk_fwd.register_fake
-def _chunk_fwd_fake(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
+def _chunk_fwd_fake(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, gate_fn="",
+                    gate_scale=1.0, gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):
     _register_lowerings()
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -558,45 +662,71 @@ def chunk_bwd(
     dht: Optional[Tensor],
     scale: float,
     reverse: bool,
+    gate_fn: str = "",
+    gate_scale: float = 1.0,
+    gate_lo: Optional[float] = None,
+    gate_hi: Optional[float] = None,
+    gate_a: Optional[Tensor] = None,
+    gate_bias: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """GLA backward, recomputing the states from the inputs.
 
     Returns (dq, dk, dv, dg, dg_gamma, dh0), each shaped like its input; [0] for an absent input.
+    With ``gate_fn``, dg is the gradient w.r.t. the log gate, in the compute dtype (fp32 or fp64),
+    which ``gates.gate_grads`` turns into those w.r.t. the gate function's inputs.
     """
+    fn = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
     impl = _CUDA_IMPL["bwd"] if q.is_cuda else None
-    if impl is None:
-        impl = _chunk_bwd_torch
-    return impl(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    if impl is not None:
+        return impl(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse,
+                    gate=fn, gate_a=gate_a, gate_bias=gate_bias)
+    g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
+    return _chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
 
 
 @chunk_bwd.register_fake
-def _chunk_bwd_fake(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
+def _chunk_bwd_fake(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_fn="", gate_scale=1.0,
+                    gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):
     _register_lowerings()
+
     def grad_like(x):
         # new_empty, not empty_like: the real op returns contiguous tensors whatever x's strides
         return q.new_empty(0) if x is None else x.new_empty(x.shape)
 
-    return tuple(grad_like(x) for x in (q, k, v, g, g_gamma, initial_state))
+    grads = [grad_like(x) for x in (q, k, v, g, g_gamma, initial_state)]
+    if gate_fn:
+        grads[3] = g.new_empty(g.shape, dtype=_compute_dtype(q, k, v, g, initial_state, gate_a, gate_bias))
+    return tuple(grads)
 
 
 def _chunk_fwd_setup_context(ctx, inputs, output):
-    q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse = inputs
-    ctx.save_for_backward(q, k, v, g, g_gamma, initial_state)
+    (q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
+     gate_fn, gate_scale, gate_lo, gate_hi, gate_a, gate_bias) = inputs
+    ctx.save_for_backward(q, k, v, g, g_gamma, initial_state, gate_a, gate_bias)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.reverse = reverse
+    ctx.gate = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
 
 
 def _chunk_fwd_backward(ctx, do, dht):
-    q, k, v, g, g_gamma, initial_state = ctx.saved_tensors
+    q, k, v, g, g_gamma, initial_state, gate_a, gate_bias = ctx.saved_tensors
+    fn = ctx.gate
     if not ctx.output_final_state:
         dht = None
     if do is None:
         B, T, H, _ = q.shape
         do = q.new_zeros(B, T, H, v.shape[-1], dtype=_output_dtype(q, k, v))
     dq, dk, dv, dg, dg_gamma, dh0 = torch.ops.gla_inductor.chunk_bwd(
-        q, k, v, g, g_gamma, initial_state, do, dht, ctx.scale, ctx.reverse
+        q, k, v, g, g_gamma, initial_state, do, dht, ctx.scale, ctx.reverse,
+        fn.name, fn.scale, fn.lo, fn.hi, gate_a, gate_bias,
     )
+    da = dbias = None
+    if fn.name:
+        dg, da, dbias = gate_grads(dg, g, fn, gate_a, gate_bias)
+        dg = dg.to(g.dtype)
+        da = None if da is None else da.to(gate_a.dtype)
+        dbias = None if dbias is None else dbias.to(gate_bias.dtype)
 
     def present(grad, x):
         return None if x is None else grad
@@ -605,6 +735,7 @@ def _chunk_fwd_backward(ctx, do, dht):
         dq, dk, dv,
         present(dg, g), present(dg_gamma, g_gamma), present(dh0, initial_state),
         None, None, None,
+        None, None, None, None, da, dbias,
     )
 
 
@@ -687,6 +818,12 @@ def chunk_gla(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     reverse: bool = False,
+    gate_fn: Optional[str] = None,
+    gate_scale: float = 1.0,
+    gate_lo: Optional[float] = None,
+    gate_hi: Optional[float] = None,
+    gate_a: Optional[Tensor] = None,
+    gate_bias: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Gated linear attention, FLA-compatible.
 
@@ -698,15 +835,53 @@ def chunk_gla(
         initial_state: [B, H, K, V] state before the first processed step.
         output_final_state: also return the state after the last processed step.
         reverse: run the recurrence from t = T - 1 down to 0.
+        gate_fn: "logsigmoid" or "softplus": g is the input x of a gate function that the kernels
+            apply as they read it (see ``gla_inductor.gates``), with its constants gate_scale,
+            gate_lo / gate_hi (clamp bounds) and, for "softplus", gate_a [H] and gate_bias [H]
+            (scalar gate) or [H, K] (vector gate):
+            logsigmoid: g = clamp(logsigmoid(x) * gate_scale, gate_lo, gate_hi)
+            softplus:   g = gate_a * clamp(softplus(x + gate_bias), gate_lo, gate_hi)
 
     Returns:
         o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
         (fp32, fp64 for fp64 inputs) or None.
     """
     _validate_inputs(q, k, v, g, g_gamma, initial_state)
+    fn = GateFn(gate_fn or "", float(gate_scale), _opt_float(gate_lo), _opt_float(gate_hi))
+    _validate_gate(fn, q, g, gate_a, gate_bias)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o, ht = torch.ops.gla_inductor.chunk_fwd(
-        q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse)
+        q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse),
+        fn.name, fn.scale, fn.lo, fn.hi, gate_a, gate_bias,
     )
     return o, (ht if output_final_state else None)
+
+
+def _opt_float(x) -> Optional[float]:
+    return None if x is None else float(x)
+
+
+def _validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias) -> None:
+    """Clear errors for a fused gate's inputs."""
+    if not fn.name:
+        if gate_a is not None or gate_bias is not None:
+            raise ValueError("chunk_gla: gate_a and gate_bias need gate_fn='softplus'")
+        return
+    if g is None:
+        raise ValueError(f"chunk_gla: gate_fn={fn.name!r} needs g, the gate function's input")
+    if fn.name == "logsigmoid" and (gate_a is not None or gate_bias is not None):
+        raise ValueError("chunk_gla: gate_a and gate_bias belong to gate_fn='softplus'")
+    if fn.name == "softplus":
+        H = q.shape[2]
+        heads = tuple(g.shape[2:])
+        layout = "[H]" if g.dim() == 3 else "[H, K]"
+        for name, x, want, want_layout in (("gate_a", gate_a, (H,), "[H]"), ("gate_bias", gate_bias, heads, layout)):
+            if x is None:
+                raise ValueError(f"chunk_gla: gate_fn='softplus' needs {name} {want_layout} = {_shape_str(want)}")
+            _check_tensor(name, x)
+            if tuple(x.shape) != want:
+                raise ValueError(f"chunk_gla: {name} has shape {tuple(x.shape)}; expected {want_layout} = "
+                                 f"{_shape_str(want)} for g of shape {tuple(g.shape)}")
+            if x.device != q.device:
+                raise ValueError(f"chunk_gla: {name} is on {x.device} but q is on {q.device}")

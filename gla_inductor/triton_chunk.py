@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .cuda_dispatch import gate_kind
+from .gates import GateFn
 from .templates.standalone import OUT, render
 
 __all__ = [
@@ -90,10 +91,33 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig) -> TileConfig:
+    """The forward scan's tile, from sweeps on an H100 over the benchmark shapes
+    (benchmarks/results/h100-2026-11-22-schedule.md): vector gates run fastest with wide value
+    tiles and 8 warps (BV = 128: 0.60 against 0.76 ms at (8, 2048, 16, 128, 128), 1.39 against
+    2.77 ms at (8, 2048, 4, 256, 512); fewer programs than SMs, but each chunk's intra-chunk work
+    is done once per 128 values instead of 64), other gates with 4 warps and BV = 64 up to K = 128
+    (0.35 against 0.49 ms at (8, 2048, 16, 128, 128)). At K = 256 the two sweeps of the scalar
+    gate disagreed (4 warps 1.41 ms with a bf16 gate, 2.47 ms with an fp32 one): ``fallback``."""
+    if vector_gate:
+        return TileConfig(block_v=min(BV, 128), num_warps=4 if BK <= 32 else 8, num_stages=2)
+    if BK <= 128:
+        return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=2)
+    return fallback
+
+
+def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
+    """Vector-gate scans with 4 warps at K = 128 hit an illegal memory access on an H100 with triton
+    3.6 (BV = 32; seen at HEAD before the fused gates too): a miscompile, avoided by never choosing
+    fewer than 8 warps for vector gates with K >= 64."""
+    return vector_gate and BK >= 64 and tile.num_warps < 8
+
+
 def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, vector_gate: bool,
                    device: torch.device) -> ChunkConfig:
-    """Tiles by head size, chosen to compile without register spills for sm_90 (bf16); value tiles
-    narrow while B * H * cdiv(V, BV) leaves SMs idle. Untuned on the GPU: a starting point."""
+    """Tiles by head size. The backward's scans: chosen to compile without register spills for sm_90
+    (bf16), value tiles narrowing while B * H * cdiv(V, BV) leaves SMs idle (untuned). The forward
+    scan: measured (``forward_scan_tile``)."""
     BK = max(16, _pow2(K))
     BV = max(16, _pow2(V))
     # [BT, K] tiles of q, k, g and their gated copies dominate the registers
@@ -107,7 +131,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     scan = TileConfig(block_v=block_v, num_warps=warps, num_stages=2)
     return ChunkConfig(
         block_t,
-        scan=scan,
+        scan=forward_scan_tile(BK, BV, vector_gate, scan),
         states=scan,
         dual=scan,
         output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2),
@@ -184,10 +208,11 @@ def _launch(template: str, options: dict, tensors: dict[str, Optional[Tensor]], 
 
 
 def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scale: float, reverse: bool,
-                   interpreting: bool) -> dict:
+                   interpreting: bool, gate_fn: GateFn = GateFn()) -> dict:
     """The options every GLA chunk kernel of one call shares (jinja variables and constexprs).
 
-    ``gate`` is "vector", "scalar", "constant" or "none"; ``dtype`` the promoted q/k/v dtype."""
+    ``gate`` is "vector", "scalar", "constant" or "none"; ``dtype`` the promoted q/k/v dtype;
+    ``gate_fn`` the function the kernels apply to g as they read it."""
     # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
     on_bf16_cores = dtype == torch.bfloat16 and not interpreting
     f32_precision = cfg.f32_precision or (
@@ -202,6 +227,7 @@ def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scal
         SCALE=float(scale),
         DOT_DTYPE="tl.bfloat16" if on_bf16_cores else "tl.float32",
         F32_PRECISION=repr(f32_precision),  # options are code: a quoted string
+        **gate_fn.kernel_options(),
     )
 
 
@@ -216,13 +242,15 @@ class _Launcher:
     """Options shared by one forward or backward call, and its launches."""
 
     def __init__(self, cfg: ChunkConfig, q: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
-                 scale: float, reverse: bool):
+                 scale: float, reverse: bool, gate: GateFn, gate_a: Optional[Tensor], gate_bias: Optional[Tensor]):
         self.cfg = cfg
         self.device = q.device
         self.B, self.T, self.H, self.K = q.shape
         self.V = v.shape[-1]
-        self.gates = dict(g=g, g_gamma=g_gamma)
-        self.options = kernel_options(cfg, q.dtype, self.K, gate_kind(g, g_gamma), scale, reverse, _interpreting())
+        # every kernel that reads g also reads the fused gate's parameters (None unless "softplus")
+        self.gates = dict(g=g, g_gamma=g_gamma, gate_a=gate_a, gate_bias=gate_bias)
+        self.options = kernel_options(cfg, q.dtype, self.K, gate_kind(g, g_gamma), scale, reverse, _interpreting(),
+                                      gate)
 
     def states(self) -> Tensor:
         """An uninitialized [B, NT, H, K, V] per-chunk state buffer."""
@@ -232,6 +260,9 @@ class _Launcher:
     def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
              h0=None, h=None, ht=None) -> None:
         tiles = self.cfg.states if not write_out else self.cfg.dual if dual else self.cfg.scan
+        if self.device.type == "cuda" and faulting_tile(self.options["BK"], tiles, self.options["USE_GK"]):
+            raise ValueError(f"gla_inductor: {tiles} for a vector gate with K = {self.K} is known to fault on the "
+                             "GPU (triton 3.6); use at least 8 warps")
         store_ht = ht is not None and ht.numel() > 0
         options = dict(self.options, BV=tiles.block_v, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
                        USE_H0=h0 is not None, STORE_HT=store_ht)
@@ -265,8 +296,11 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], config: Optio
 
 def chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
                      initial_state: Optional[Tensor], scale: float, output_final_state: bool, reverse: bool, *,
-                     config: Optional[ChunkConfig] = None) -> tuple[Tensor, Tensor]:
-    """(o [B, T, H, V] in the promoted input dtype, final state fp32 [B, H, K, V] or an empty [0])."""
+                     config: Optional[ChunkConfig] = None, gate: Optional[GateFn] = None,
+                     gate_a: Optional[Tensor] = None, gate_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(o [B, T, H, V] in the promoted input dtype, final state fp32 [B, H, K, V] or an empty [0]).
+
+    With ``gate`` (a fused gate function, ``gates.GateFn``), g is that function's input."""
     q, k, v, cfg = _prepare(q, k, v, g, config)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -276,7 +310,7 @@ def chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
         if output_final_state:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
-    run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse)
+    run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse, gate or GateFn(), gate_a, gate_bias)
     if cfg.split:
         h = run.states()
         run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht)
@@ -288,11 +322,16 @@ def chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
 
 def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
                      initial_state: Optional[Tensor], do: Tensor, dht: Optional[Tensor], scale: float, reverse: bool,
-                     *, config: Optional[ChunkConfig] = None
+                     *, config: Optional[ChunkConfig] = None, gate: Optional[GateFn] = None,
+                     gate_a: Optional[Tensor] = None, gate_bias: Optional[Tensor] = None
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg, dg_gamma, dh0), each like its input; an empty [0] where the input is None."""
+    """(dq, dk, dv, dg, dg_gamma, dh0), each like its input; an empty [0] where the input is None.
+
+    With ``gate``, dg is the fp32 gradient w.r.t. the log gate (``gates.gate_grads`` goes on)."""
+    gate = gate or GateFn()
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    dg = q.new_empty(0) if g is None else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    dg_dtype = None if g is None else torch.float32 if gate.name else g.dtype
+    dg = q.new_empty(0) if g is None else torch.empty(g.shape, dtype=dg_dtype, device=g.device)
     dh0 = q.new_empty(0) if initial_state is None else torch.empty(
         initial_state.shape, dtype=initial_state.dtype, device=initial_state.device)
     q, k, v, cfg = _prepare(q, k, v, g, config)
@@ -304,7 +343,7 @@ def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return dq, dk, dv, dg, (q.new_empty(0) if g_gamma is None else torch.zeros_like(g_gamma)), dh0
 
-    run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse)
+    run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse, gate, gate_a, gate_bias)
     h = run.states()
     run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
     dh = run.states()

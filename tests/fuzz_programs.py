@@ -10,8 +10,13 @@ A program is Python source (printable, reproducible) plus how to make its inputs
                ...); must not be rewritten
   known        a near miss that a known recognizer issue rewrites in part; must only equal eager
   equivalent   not GLA as written but GLA of other inputs (decay after the update, gate of
-               step t - 1, exp(G_{i-1} - G_j), exp(G_j - G_i), a cumsum over K): a rewrite is
-               allowed, so only the numerics are checked
+               step t - 1, exp(G_{i-1} - G_j), exp(G_j - G_i), a cumsum over K, a constant
+               decay against the mask's direction): a rewrite is allowed, so only the
+               numerics are checked
+
+A GLA program may also pin the options of its rewrite (``expected_options``): a parallel form
+whose initial-state or final-state term is off by one step is GLA plus code that the rewrite
+must leave as it is (initial_state / final_state False).
 
 Time loops (``loop_program``) and parallel forms (``parallel_program``) are rendered from a
 dict of choices; near misses are the same renderers with one ``mutation``. Sizes stay tiny
@@ -46,6 +51,9 @@ class Program:
     choices: dict
     dims: dict
     expected: Optional[int] = None  # rewrites the backend must make (None: not asserted)
+    # options every rewrite must report (Match.options): the initial or final state folded
+    # into the op, or not (a near-miss state term left as code)
+    expected_options: dict = field(default_factory=dict)
     gap: Optional[str] = None
     train: bool = True  # inputs require grad and every gradient is checked; else under no_grad
     mutates: Optional[str] = None  # the input the program writes in place (a decode cache)
@@ -344,9 +352,7 @@ def _mutation_kind(mutation: Optional[str], mutations: dict) -> str:
 
 def near_miss_issue(c: dict) -> Optional[str]:
     """A known recognizer issue that rewrites part of this near miss (correctly, but against
-    its own rules); see test_fuzz.py test_known_bug."""
-    if c["mutation"] == "rwkv6" and c["init"].startswith("h0"):
-        return "bug: the first step's bonus read q (h0 + u k^T v) is rewritten as a decode step"
+    its own rules); none at present (test_fuzz.py keeps the repros of fixed ones)."""
     return None
 
 
@@ -522,14 +528,21 @@ PAR_MUTATIONS = {
     # exp(F_i - F_j) on the causal triangle is GLA for any F (gate F_t - F_{t-1}): with F a
     # cumsum over K, a shift or a sign flip the programs are GLA of other gates
     "equivalent": ["shift_i", "sign", "cumsum_k"],
+    # GLA whose initial-state term (decayed to step i - 1) or final state (decayed to step T - 2)
+    # is one step off: the attention is rewritten, the term must stay code
+    "partial": ["h0_shifted", "final_shifted"],
 }
+# what a rewrite of each partial mutation must leave out of the op
+_PARTIAL_OPTIONS = {"h0_shifted": {"initial_state": False}, "final_shifted": {"final_state": False}}
 
 
 @st.composite
 def parallel_program(draw, mutation: Optional[str] = None, reverse: bool = False) -> Program:
     gates = ["scalar", "vector", "constant", "none"]
-    if mutation in ("exclusive", "shift_i", "sign"):
+    if mutation in ("exclusive", "shift_i", "sign", "h0_shifted", "final_shifted"):
         gates = gates[:3]
+    elif mutation == "triu":
+        gates = ["scalar", "vector"]  # no or a constant decay against the mask is GLA reversed
     elif mutation == "cumsum_k":
         gates = ["vector"]
     gate = draw(st.sampled_from(gates))
@@ -552,7 +565,9 @@ def parallel_program(draw, mutation: Optional[str] = None, reverse: bool = False
         "scale": draw(st.sampled_from(PAR_SCALES)),
         "scale_value": draw(st.sampled_from(["K ** -0.5", "0.5"])),
         "cast": draw(st.sampled_from(["none", "float", "to"])),
-        "h0": draw(st.booleans()) if mutation is None else False,
+        "h0": draw(st.booleans()) if mutation is None else mutation == "h0_shifted",
+        "final_state": draw(st.booleans()) if mutation is None else mutation == "final_shifted",
+        "state_contract": draw(st.sampled_from(["matmul", "einsum"])),
         "reverse": reverse,
         "mutation": mutation,
     }
@@ -572,14 +587,22 @@ def make_parallel(c: dict, d: dict, dtype: torch.dtype, seed: int, gate_dist: st
     if c["h0"]:
         args.append(("h0", layout.state_shape(d), "state"))
     kind = _mutation_kind(c["mutation"], PAR_MUTATIONS)
+    kind = "gla" if kind == "partial" else kind
     gap = parallel_gap(c, d) if kind == "gla" else None
     kind = "gap" if gap else kind
     return Program(
         kind=kind, name=f"parallel{'-reverse' if c['reverse'] else ''}/{c['mutation'] or c['gate']}",
         source=render_parallel(c, layout, [a[0] for a in args]), args=args, dtype=dtype, seed=seed,
         gate_dist=gate_dist, choices=c, dims=d, expected={"gla": 1, "near": 0}.get(kind), gap=gap,
-        train=train,
+        train=train, expected_options=parallel_options(c) if kind == "gla" else {},
     )
+
+
+def parallel_options(c: dict) -> dict:
+    """The options the rewrite of a GLA parallel program must report."""
+    if c["mutation"] in _PARTIAL_OPTIONS:
+        return dict(_PARTIAL_OPTIONS[c["mutation"]])
+    return {"reverse": c["reverse"], "initial_state": c["h0"], "final_state": c["final_state"]}
 
 
 def _fix_parallel_choices(c: dict) -> dict:
@@ -602,17 +625,10 @@ def parallel_gap(c: dict, d: dict) -> Optional[str]:
     """Why the recognizer does not cover this GLA spelling yet; None when it must."""
     if d["K"] == 1 or d["V"] == 1:
         return "K or V of size 1: the contraction over it reads as a broadcast"
-    if c["reverse"]:
-        return "the reverse (anti-causal) parallel form: masks must be exactly i >= j"
     flat = LAYOUTS[c["layout"].lower()].flat
-    if c["gate"] == "constant" and ((flat and d["B"] * d["H"] > 1) or (not flat and d["B"] == 1 and d["H"] > 1)):
-        # see test_fuzz.py KNOWN_BUGS: the replacement raises and is rolled back
-        return "bug: constant gate with B = 1 or flattened heads; the gate's expand raises"
     reshaped = not flat and "bmm" in (c["scores"], c["out"]) and d["B"] > 1 and d["H"] > 1
-    if reshaped and (c["gate"] in ("scalar", "vector") or c["h0"]):
-        return "heads flattened by reshape(B * H, ...) for bmm, with a gate over time or an initial state"
-    if c["vector_form"] == "factored" and c["scores"] == "matmul_fn":
-        return "bug: (k * exp(-G)).mT misreads the decay exponent (.transpose(-1, -2) works)"
+    if reshaped and (c["gate"] in ("scalar", "vector") or c["h0"] or c["final_state"]):
+        return "heads flattened by reshape(B * H, ...) for bmm, with a gate over time or a state"
     return None
 
 
@@ -650,13 +666,17 @@ def render_parallel(c: dict, layout: Layout, params: list) -> str:
         _initial_state_term(src, c)
     if c["scale"] == "out":
         src("o = o * scale")
+    if c["final_state"]:
+        _final_state_term(src, c, "n" if flat else "bh")
+        if flat and not layout.flat:
+            src("S = S.view(B, H, K, V)")
     if flat and not layout.flat:
         src("o = o.view(B, H, T, V)")
     src({"BTHD": "o = o.transpose(1, 2)", "TBHD": "o = o.permute(2, 0, 1, 3)",
          "TND": "o = o.transpose(0, 1)", "BHTD": ""}[layout.axes] or "pass")
     if c["cast"] != "none":
         src("o = o.to(dtype)")
-    src("return o")
+    src("return o, S" if c["final_state"] else "return o")
     return src.text().replace("    pass\n", "")
 
 
@@ -689,10 +709,10 @@ def _mask(src: Src, c: dict) -> None:
         src("i = torch.arange(T)")
     if m == "noncausal":
         return
-    diag = {"strict": -1, "exclusive": -1}.get(m, 0)
     upper = (m == "triu") != c["reverse"]
+    diag = {"strict": 1 if upper else -1, "exclusive": 1 if upper else -1}.get(m, 0)
     if build == "arange":
-        op = {(False, 0): ">=", (False, -1): ">", (True, 0): "<="}[(upper, diag)]
+        op = {(False, 0): ">=", (False, -1): ">", (True, 0): "<=", (True, 1): "<"}[(upper, diag)]
         src(f"M = i[:, None] {op} i[None, :]")
     else:
         tri = "triu" if upper else "tril"
@@ -776,8 +796,8 @@ def _mask_scores(src: Src, c: dict) -> None:
         return
     apply = c["mask_apply"]
     if apply == "tril":
-        diag = {"strict": "-1", "exclusive": "-1"}.get(m, "")
         upper = (m == "triu") != c["reverse"]
+        diag = ("1" if upper else "-1") if m in ("strict", "exclusive") else ""
         src(f"A = A.{'triu' if upper else 'tril'}({diag})")
     else:
         src({
@@ -806,19 +826,47 @@ def _contract(how: str, a: str, b: str, eq: str, batch: str) -> str:
 
 
 def _initial_state_term(src: Src, c: dict) -> None:
-    """+ scale * (q decayed from the start) @ h0: the initial state's share of every output."""
-    gate = c["gate"]
+    """+ scale * (q decayed from the start) @ h0: the initial state's share of every output
+    (decayed one step short for the h0_shifted mutation)."""
+    gate, short = c["gate"], c["mutation"] == "h0_shifted"
+    G = "(G - g)" if short else "G"
     if gate == "vector":
-        qd = "q * G.exp()"
+        qd = f"q * {G}.exp()"
     elif gate == "scalar":
-        qd = "q * G.exp()[..., None]"
+        qd = f"q * {G}.exp()[..., None]"
     elif gate == "constant":
-        steps = "(T - i)" if c["reverse"] else "(i + 1)"
+        steps = ("(T - 1 - i)" if short else "(T - i)") if c["reverse"] else ("i" if short else "(i + 1)")
         qd = f"q * ({steps}[:, None] * g_gamma[:, None, None]).exp()"
     else:
         qd = "q"
     factor = "scale * " if c["scale"] == "scores" else ""
     src(f"o = o + {factor}({qd}) @ h0")
+
+
+def _final_state_term(src: Src, c: dict, b: str) -> None:
+    """S [*batch, K, V]: each k_j^T v_j decayed from step j to the end (to the start when
+    reversed), plus h0 decayed over every step; one step short for final_shifted."""
+    gate, rev, short = c["gate"], c["reverse"], c["mutation"] == "final_shifted"
+    end = {(False, False): "-1:", (False, True): "-2:-1", (True, False): ":1", (True, True): "1:2"}[(rev, short)]
+    if gate == "vector":
+        src(f"kd = k * (G[..., {end}, :] - G).exp()")
+        h0d = f"G[..., {'0' if rev else '-1'}, :, None].exp() * h0"
+    elif gate == "scalar":
+        src(f"kd = k * (G[..., {end}] - G).exp()[..., None]")
+        h0d = f"G[..., {'0' if rev else '-1'}, None, None].exp() * h0"
+    elif gate == "constant":
+        steps = ("(i - 1)" if short else "i") if rev else ("(T - 2 - i)" if short else "(T - 1 - i)")
+        src(f"kd = k * ({steps}[:, None] * g_gamma[:, None, None]).exp()")
+        h0d = "(T * g_gamma).exp()[:, None, None] * h0"
+    else:
+        src("kd = k")
+        h0d = "h0"
+    if c["state_contract"] == "einsum":
+        src(f'S = torch.einsum("{b}tk,{b}tv->{b}kv", kd, v)')
+    else:
+        src("S = kd.transpose(-1, -2) @ v")
+    if c["h0"]:
+        src(f"S = S + {h0d}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -861,7 +909,9 @@ def categories() -> list:
     cats = [
         ("loop", 30, loop_program()),
         ("parallel", 26, parallel_program()),
-        ("parallel-reverse", 3, parallel_program(reverse=True)),
+        ("parallel-reverse", 8, parallel_program(reverse=True)),
+        ("parallel-reverse/triu", 2, parallel_program(mutation="triu", reverse=True)),
+        ("parallel-reverse/strict", 2, parallel_program(mutation="strict", reverse=True)),
         ("decode", 9, loop_program(decode=True)),
     ]
     cats += [(f"loop/{m}", 2, loop_program(mutation=m)) for ms in LOOP_MUTATIONS.values() for m in ms]

@@ -358,6 +358,47 @@ NEAR_MISSES += [
 ]
 
 
+# ---- the parallel form in reverse, with its states --------------------------------------------
+def parallel_reverse_states(q, k, v, g, h0):
+    """The anti-causal form (triu, a reverse cumsum), the initial state's share of the output and
+    the final state (at step 0, where the reverse recurrence ends): chunk_fwd(reverse=True) with
+    both states."""
+    G = g.flip(2).cumsum(2).flip(2)
+    A = ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).triu()
+    o = A @ v + (q * G.exp()) @ h0
+    S = torch.einsum("bhtk,bhtv->bhkv", k * (G[:, :, :1] - G).exp(), v) + G[:, :, 0, :, None].exp() * h0
+    return o, S
+
+
+def parallel_scalar_states(q, k, v, g, h0):
+    """Forward, a scalar gate: q_i exp(G_i) h0 added to the output, the final state returned."""
+    G = g.cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).exp().tril()
+    o = (((q @ k.transpose(-1, -2)) * D) @ v + G.exp()[..., None] * (q @ h0)) * 0.5
+    last = G[..., -1:]
+    return o, (k * (last - G).exp()[..., None]).transpose(-1, -2) @ v + last.exp()[..., None] * h0
+
+
+def head_first_state(gate: str):
+    def make(dtype=torch.float32):
+        return head_first(gate)(dtype) + (_randn(B, H, K, V, dtype=dtype),)
+
+    return make
+
+
+def near_reverse_forward_decay(q, k, v, g):
+    """A triu mask on the forward decay exp(G_i - G_j): it runs against the mask's direction."""
+    G = g.cumsum(-1)
+    return ((q @ k.transpose(-1, -2)) * (G[..., :, None] - G[..., None, :]).exp().triu()) @ v
+
+
+SPELLINGS += [
+    Spelling("parallel_reverse_states", parallel_reverse_states, head_first_state("vector"), 1, "parallel"),
+    Spelling("parallel_scalar_states", parallel_scalar_states, head_first_state("scalar"), 1, "parallel"),
+]
+NEAR_MISSES.append(Spelling("near_reverse_forward_decay", near_reverse_forward_decay, head_first("scalar"), 0, "parallel"))
+
+
 # ---- one-token decode steps ----------------------------------------------------------------
 # A step reads the state from a cache (a graph input) and writes the new state back into it,
 # or returns it. `cache_arg` is the position of the argument a step mutates (None: none).

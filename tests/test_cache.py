@@ -103,3 +103,34 @@ def test_template_change_invalidates_warm_caches(tmp_path):
     scan.write_text(source.replace(anchor, anchor + "\n        b_o = 2 * b_o"))
     changed = run_copy()
     assert abs(changed["ratio"] - 2) < 1e-4, changed
+
+
+def test_users_own_post_grad_pass_still_runs_and_keys_the_cache():
+    """A user's post_grad_custom_post_pass (global config or options=) runs under our backend, and
+    the cache key covers it and our sources both."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from gla_inductor.backend import config_patches
+
+    class Mine(CustomGraphPass):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, graph):
+            self.calls += 1
+
+        def uuid(self):
+            return b"mine"
+
+    for how in ("config", "options"):
+        mine = Mine()
+        torch._dynamo.reset()
+        options = {"post_grad_custom_post_pass": mine} if how == "options" else None
+        # caches off: a cache hit (this test run before) skips the passes, as it should
+        with torch._inductor.config.patch(post_grad_custom_post_pass=mine if how == "config" else None,
+                                          force_disable_caches=True):
+            patched = config_patches(options=options)["post_grad_custom_post_pass"]
+            out = torch.compile(lambda x: x * 2 + 1, backend=gla_inductor.backend, options=options)(torch.ones(3))
+        assert mine.calls >= 1, how
+        assert b"mine" in patched.uuid() and patched.uuid() != cache_key_pass().uuid()
+        assert torch.equal(out, torch.full((3,), 3.0))

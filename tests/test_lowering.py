@@ -35,6 +35,9 @@ def inductor_triton(monkeypatch):
     patches = dict(fx_graph_cache=False, force_disable_caches=True)
     if not ON_GPU:
         patches["cpu_backend"] = "triton"
+        # exp as tl.exp: the interpreter cannot run libdevice.exp (it returns None)
+        if hasattr(torch._inductor.config, "use_fast_math"):
+            patches["use_fast_math"] = True
         # A CPU-only Triton has no active driver to hash; the interpreter needs none. Patched where
         # it is defined and wherever a torch version imported the name.
         import torch._inductor.codegen.triton as codegen_triton
@@ -214,3 +217,52 @@ def test_compile_modes(mode):
         assert _rel(out, ref) < 1e-4, seed
         for a, r in zip(args, ref_args):
             assert _rel(a.grad, r.grad) < 1e-4, seed
+
+
+@pytest.mark.parametrize("gate_fn", ["logsigmoid", "softplus"])
+def test_fused_gate_is_computed_by_the_templates(gate_fn):
+    """The backend fuses the gate function into the op (recognize/gate.py): the compiled forward is
+    the scan template alone, reading x (no kernel computes the gate first), and the backward's
+    templates read x too. Outputs and the gradients of x, a and bias match float64."""
+    B, T, H, K, V = 2, 21, 2, 16, 24
+    x = _inputs(B, T, H, K, V, "vector", h0=False)
+    gen = torch.Generator().manual_seed(5)
+    xg = torch.randn(B, T, H, K, generator=gen).mul(2).to(DEVICE).requires_grad_()
+    A_log = torch.randn(H, generator=gen).to(DEVICE).requires_grad_()
+    dt_bias = torch.randn(H, K, generator=gen).to(DEVICE).requires_grad_()
+
+    def gla(q, k, v, xg, A_log, dt_bias):
+        if gate_fn == "logsigmoid":
+            g = (F.logsigmoid(xg) / 16).clamp_min(-0.5)
+        else:
+            g = -A_log.exp()[:, None] * F.softplus(xg + dt_bias)
+        return gla_inductor.chunk_gla(q, k, v, g)[0]
+
+    args = [x["q"], x["k"], x["v"], xg, A_log, dt_bias]
+    compiled = torch.compile(gla, backend=gla_inductor.backend, fullgraph=True)
+    counters.clear()
+
+    def fwd_bwd():
+        out = compiled(*args)
+        out.double().square().sum().backward()
+        return out
+
+    out, (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    assert counters["gla_inductor"]["fused_gates"] == 1
+    kernels = re.findall(r"def (triton_\w+)\(", fwd_code)
+    others = [k for k in kernels if not k.startswith("triton_tem")]
+    assert len(kernels) - len(others) == 1
+    # beside the template, only a = -exp(A_log) of the softplus gate, [H]: no kernel computes the gate
+    assert others == ([] if gate_fn == "logsigmoid" else ["triton_poi_fused_exp_neg_unsqueeze_0"]), kernels
+    assert not EXTERN_CALL.search(fwd_code + bwd_code)
+    assert bwd_code.count(SCAN_KERNEL) == 2 and bwd_code.count(DQKG_KERNEL) == 1
+
+    ref_args = [a.detach().double().requires_grad_() for a in args]
+    g64 = ((F.logsigmoid(ref_args[3]) / 16).clamp_min(-0.5) if gate_fn == "logsigmoid"
+           else -ref_args[4].exp()[:, None] * F.softplus(ref_args[3] + ref_args[5]))
+    ref = naive_recurrent_gla(*ref_args[:3], g64)[0]
+    ref.square().sum().backward()
+    assert _rel(out, ref) < 1e-5
+    used = [0, 1, 2, 3] + ([4, 5] if gate_fn == "softplus" else [])
+    for i in used:
+        assert _rel(args[i].grad, ref_args[i].grad) < 1e-4, i

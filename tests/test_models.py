@@ -113,6 +113,20 @@ def test_mamba2_full_backend():
     assert run_mamba2(slow=True) == {"prefill": LAYERS, "continue": LAYERS, "decode": LAYERS}
 
 
+def test_mamba2_trains():
+    """Training (no cache): one chunk_fwd per layer, and every parameter's gradient matches
+    eager's (the op's own backward replaces the scan's)."""
+    model = mamba2().train()
+    ids = torch.randint(0, 32, (2, 13))
+    compiled = torch.compile(model, backend=rewrite_then_eager, dynamic=False)
+    loss = compiled(ids, use_cache=False).logits.square().mean()
+    assert rewrites() == LAYERS
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    want = torch.autograd.grad(model(ids, use_cache=False).logits.square().mean(), list(model.parameters()))
+    for (name, _), g, w in zip(model.named_parameters(), got, want):
+        assert rel_err(g, w) <= FP32_TOL, name
+
+
 def test_mamba2_decode_runs_in_place():
     """Generation's decode (no grad): one fused_recurrent per layer on the cache itself."""
     model = mamba2()

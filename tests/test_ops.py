@@ -152,10 +152,24 @@ def check_grads(inputs, tol, **kw):
 
 
 @pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("T", [1, 65, 130])
+@pytest.mark.parametrize("T", [1, 65, 128, 130])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_grads_match_naive(gate, T, reverse):
+    # T = 128 forwards: q, k and exp(g) of a vector gate are read through strided views of the
+    # inputs; otherwise (padding, reverse) from chunked copies
     check_grads(make_inputs(gate, T=T), 1e-10, reverse=reverse)
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar"])
+@pytest.mark.parametrize("T", [128, 100])
+def test_non_contiguous_inputs(gate, T):
+    # inputs laid out [B, H, T, D] and transposed: the strided chunk views must follow any strides
+    inputs = make_inputs(gate, T=T)
+    for name in ("q", "k", "v", "g"):
+        x = inputs[name]
+        if x is not None:
+            inputs[name] = x.transpose(1, 2).contiguous().transpose(1, 2)
+    check_grads(inputs, 1e-10)
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector"])
@@ -256,14 +270,15 @@ def test_split_scores_match_pairwise():
     torch.manual_seed(0)
     q, k = torch.randn(2, 3, ops.BT, 5, dtype=torch.float64), torch.randn(2, 3, ops.BT, 5, dtype=torch.float64)
     g = F.logsigmoid(torch.randn(2, 3, ops.BT, 5, dtype=torch.float64)) * 4
-    A, gates = ops._intra_scores(q, k, g)
+    intra = ops._intra(q, k.clone(), None, g.exp())
     gc = g.cumsum(-2)
     span = gc[..., :, None, :] - gc[..., None, :, :]  # fine in fp64 at this size
     causal = torch.ones(ops.BT, ops.BT, dtype=torch.bool).tril()[:, :, None]
     ref = (q[..., :, None, :] * k[..., None, :, :] * span.exp() * causal).sum(-1)
-    torch.testing.assert_close(A, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gates.gc, gc, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gates.gr, gc[..., -1:, :] - gc, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(intra.A, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(intra.qg, q * gc.exp(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(intra.kg, k * (gc[..., -1:, :] - gc).exp(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(intra.decay, gc[..., -1:, :].exp(), rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -529,6 +529,50 @@ class GraphModule(torch.nn.Module):
 """)
 
 
+class TestParallelStates(expecttest.TestCase):
+    def test_parallel_reverse_states(self):
+        self.assertExpectedInline(rewritten_graph("parallel_reverse_states"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 9, 4]", L_q_: "f32[2, 3, 9, 4]", L_k_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]", L_h0_: "f32[2, 3, 4, 5]"):
+        l_g_ = L_g_
+        l_q_ = L_q_
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_h0_ = L_h0_
+
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_2: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_3: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_4: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum_1, einsum_2, einsum_3, einsum_4, None, l_h0_, 1.0, True, True);  einsum_1 = einsum_2 = einsum_3 = einsum_4 = l_h0_ = None
+        getitem_2: "f32[2, 9, 3, 5]" = chunk_fwd_default[0]
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_2, (0, 2, 1, 3));  getitem_2 = None
+        getitem_3: "f32[2, 3, 4, 5]" = chunk_fwd_default[1];  chunk_fwd_default = None
+        return (permute, getitem_3)
+""")
+
+    def test_parallel_scalar_states(self):
+        self.assertExpectedInline(rewritten_graph("parallel_scalar_states"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_g_: "f32[2, 3, 9]", L_k_: "f32[2, 3, 9, 4]", L_q_: "f32[2, 3, 9, 4]", L_v_: "f32[2, 3, 9, 5]", L_h0_: "f32[2, 3, 4, 5]"):
+        l_g_ = L_g_
+        l_k_ = L_k_
+        l_q_ = L_q_
+        l_v_ = L_v_
+        l_h0_ = L_h0_
+
+        einsum: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_q_);  l_q_ = None
+        einsum_1: "f32[2, 9, 3, 4]" = torch.functional.einsum('bhtk->bthk', l_k_);  l_k_ = None
+        einsum_2: "f32[2, 9, 3, 5]" = torch.functional.einsum('bhtv->bthv', l_v_);  l_v_ = None
+        einsum_3: "f32[2, 9, 3]" = torch.functional.einsum('bht->bth', l_g_);  l_g_ = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, l_h0_, 0.5, True, False);  einsum = einsum_1 = einsum_2 = einsum_3 = l_h0_ = None
+        getitem_6: "f32[2, 9, 3, 5]" = chunk_fwd_default[0]
+        permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_6, (0, 2, 1, 3));  getitem_6 = None
+        getitem_7: "f32[2, 3, 4, 5]" = chunk_fwd_default[1];  chunk_fwd_default = None
+        return (permute, getitem_7)
+""")
+
+
 class TestFusedQKV(expecttest.TestCase):
     def test_loop_fused_qkv(self):
         self.assertExpectedInline(rewritten_graph("loop_fused_qkv"), """\

@@ -20,6 +20,7 @@ KERNELS_RUN_HERE = ON_GPU or type(triton.language.cumsum).__name__ == "Interpret
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="triton was imported without TRITON_INTERPRET=1")
 
 from gla_inductor import triton_chunk  # noqa: E402
+from gla_inductor.gates import GateFn  # noqa: E402
 from gla_inductor.reference import naive_recurrent_gla  # noqa: E402
 from gla_inductor.templates import standalone  # noqa: E402
 
@@ -298,7 +299,7 @@ def test_standalone_render_is_cached_and_specializes_no_size():
     """One kernel per option set; sizes are do_not_specialize and absent inputs vanish from the signature."""
     options = dict(BT=16, BK=16, BV=16, USE_GK=False, USE_G=False, USE_G_GAMMA=False, REVERSE=False, SCALE=1.0,
                    DOT_DTYPE="tl.float32", F32_PRECISION="'ieee'", WRITE_OUT=True, DUAL=False, STORE_STATES=False,
-                   USE_H0=False, STORE_HT=False)
+                   USE_H0=False, STORE_HT=False, **GateFn().kernel_options())
     ndims = {"q": 4, "k": 4, "v": 4, standalone.OUT: 4}
     names = ("gla_chunk_scan", "gla_common")
     kernel = standalone.render(names, "gla_chunk_scan", options, ndims)

@@ -29,8 +29,9 @@ from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import CeilDiv
 
 from ..cuda_dispatch import _unsupported, gate_kind
+from ..gates import GateFn
 from ..templates.standalone import OUT, load_template, render_source
-from ..triton_chunk import ChunkConfig, TileConfig, default_config, dqkg_block_k, kernel_options
+from ..triton_chunk import ChunkConfig, TileConfig, default_config, dqkg_block_k, faulting_tile, kernel_options
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -139,8 +140,9 @@ def _arg_names(template: TritonTemplate, options: dict, tensors: dict) -> tuple[
     return helpers.pointers
 
 
-def _tile_choices(default: TileConfig, V: int) -> list[TileConfig]:
-    """The heuristic tiles, plus a small search space under max-autotune."""
+def _tile_choices(default: TileConfig, V: int, BK: int, vector_gate: bool) -> list[TileConfig]:
+    """The heuristic tiles, plus a small search space under max-autotune (without the tiles known to
+    fault: autotuning runs every choice, and a fault would end the process)."""
     if not inductor_config.max_autotune:
         return [default]
     widest = max(16, 1 << max(V - 1, 0).bit_length())
@@ -148,7 +150,7 @@ def _tile_choices(default: TileConfig, V: int) -> list[TileConfig]:
     for block_v in (32, 64, 128):
         for num_warps in (4, 8):
             t = TileConfig(block_v=min(block_v, widest), num_warps=num_warps, num_stages=2, block_k=default.block_k)
-            if t not in tiles:
+            if t not in tiles and not faulting_tile(BK, t, vector_gate):
                 tiles.append(t)
     return tiles
 
@@ -170,17 +172,19 @@ def _gate_inputs(gate_index: Optional[int]):
 class _Plan:
     """Sizes, tiles and shared options of one lowered forward or backward call."""
 
-    def __init__(self, q, v, g, g_gamma, scale: float, reverse: bool, dtype: torch.dtype):
+    def __init__(self, q, v, g, g_gamma, scale: float, reverse: bool, dtype: torch.dtype, gate: GateFn,
+                 gate_a, gate_bias):
         self.device = q.get_device()
         self.B, self.T, self.H, self.K = q.get_size()
         self.V = v.get_size()[-1]
         hint = V.graph.sizevars.optimization_hint
-        gate = gate_kind(_meta(g), _meta(g_gamma))
+        gate, gate_fn = gate_kind(_meta(g), _meta(g_gamma)), gate
         self.cfg: ChunkConfig = default_config(hint(self.B), hint(self.T), hint(self.H), int(self.K), int(self.V),
                                                dtype, gate == "vector", self.device)
         interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
-        self.options = kernel_options(self.cfg, dtype, int(self.K), gate, scale, reverse, interpreting)
-        self.gates = dict(g=g, g_gamma=g_gamma)
+        self.options = kernel_options(self.cfg, dtype, int(self.K), gate, scale, reverse, interpreting, gate_fn)
+        self.gates = dict(g=g, g_gamma=g_gamma, gate_a=gate_a, gate_bias=gate_bias)
+        self.fused_gate = bool(gate_fn.name)
 
     def states_size(self):
         return (self.B, _cdiv(self.T, self.cfg.block_t), self.H, self.K, self.V)
@@ -191,7 +195,8 @@ class _Plan:
         options = dict(self.options, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
                        USE_H0="h0" in tensors, STORE_HT="ht" in tensors)
         return self._select(SCAN, options, tensors, layout, [self.B * self.H, self.V],
-                            [dict(BV=t.block_v, tiles=t) for t in _tile_choices(tiles, int(self.V))])
+                            [dict(BV=t.block_v, tiles=t)
+                             for t in _tile_choices(tiles, int(self.V), self.options["BK"], self.options["USE_GK"])])
 
     def dqkg(self, layout, **tensors):
         """gla_chunk_bwd_dqkg: returns dq; ``dk`` and ``dg`` are written."""
@@ -213,7 +218,8 @@ class _Plan:
                 num_stages=tiles.num_stages, num_warps=tiles.num_warps, **{**options, **variant})
             if error is not None:
                 raise error
-        gate_index = names.index("g") if "g" in names else None
+        # a fused gate's input is not a log gate: random inputs are as good as any
+        gate_index = names.index("g") if "g" in names and not self.fused_gate else None
         result = autotune_select_algorithm(template.name, choices, nodes, layout,
                                            input_gen_fns=_gate_inputs(gate_index))
         # torch 2.11 returns the node, 2.13+ a (node, choice) pair
@@ -237,14 +243,17 @@ def _realize(x):
 
 
 @register_lowering(gla.chunk_fwd.default, type_promotion_kind=None)
-def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
-    args = (q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
+def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, gate_fn="", gate_scale=1.0,
+              gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):
+    args = (q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
+            gate_fn, gate_scale, gate_lo, gate_hi, gate_a, gate_bias)
     reason = _why_not(q, k, v, g, g_gamma, initial_state)
     if reason is not None:
         return _fallback(gla.chunk_fwd.default, reason, *args)
     dtype, (q, k, v) = _inputs(q, k, v)
-    g, g_gamma, initial_state = map(_realize, (g, g_gamma, initial_state))
-    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype)
+    g, g_gamma, initial_state, gate_a, gate_bias = map(_realize, (g, g_gamma, initial_state, gate_a, gate_bias))
+    gate = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
+    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype, gate, gate_a, gate_bias)
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
     ht = _empty((B, H, K, Vd) if output_final_state else (0,), torch.float32, plan.device)
     o = plan.scan(_layout(plan.device, dtype, (B, T, H, Vd)), plan.cfg.scan, write_out=True, dual=False,
@@ -253,16 +262,20 @@ def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, rev
 
 
 @register_lowering(gla.chunk_bwd.default, type_promotion_kind=None)
-def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
-    args = (q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_fn="", gate_scale=1.0, gate_lo=None,
+              gate_hi=None, gate_a=None, gate_bias=None):
+    args = (q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse,
+            gate_fn, gate_scale, gate_lo, gate_hi, gate_a, gate_bias)
     reason = _why_not(q, k, v, g, g_gamma, initial_state)
     if reason is not None:
         return _fallback(gla.chunk_bwd.default, reason, *args)
     # gradients keep their inputs' dtypes (the kernels convert on store)
     q_dtype, k_dtype, v_dtype = q.get_dtype(), k.get_dtype(), v.get_dtype()
     dtype, (q, k, v) = _inputs(q, k, v)
-    g, g_gamma, initial_state, do, dht = map(_realize, (g, g_gamma, initial_state, do, dht))
-    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype)
+    g, g_gamma, initial_state, do, dht, gate_a, gate_bias = map(
+        _realize, (g, g_gamma, initial_state, do, dht, gate_a, gate_bias))
+    gate = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
+    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype, gate, gate_a, gate_bias)
     cfg, device = plan.cfg, plan.device
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
 
@@ -278,7 +291,8 @@ def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     # dq (main output), dk, dg; a constant gate's per-step gradients are summed over batch and time
     dk = _empty((B, T, H, K), k_dtype, device)
     if g is not None:
-        dg = _empty(g.get_size(), g.get_dtype(), device)
+        # a fused gate's dg is the log gate's gradient, fp32 (the op's autograd goes on to x)
+        dg = _empty(g.get_size(), torch.float32 if gate.name else g.get_dtype(), device)
     elif g_gamma is not None:
         dg = _empty((B, T, H), torch.float32, device)
     else:

@@ -64,14 +64,16 @@ def _rewrite(gm: fx.GraphModule, forms, start: float) -> RewriteResult:
     graph = gm.graph
     an = Analyzer(graph)
     result = RewriteResult()
-    found, covered = [], set()
+    found, covered, near_misses = [], set(), []
     for form in (f for f in RECOGNIZERS if f in forms):
         matches, near = RECOGNIZERS[form](an)
-        result.near_misses += [nm for nm in near if not covered.intersection(nm.nodes)]
+        near_misses += near
         for m in matches:
             if not covered.intersection(m.nodes):
                 found.append(m)
                 covered |= set(m.covers) | set(m.nodes)
+    # a candidate inside a match (the final state a later form folds in) was not left alone
+    result.near_misses = [nm for nm in near_misses if not covered.intersection(nm.nodes)]
     txn = Transaction(graph)
     for m in found:
         mark = txn.mark()

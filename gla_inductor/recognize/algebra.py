@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .consts import ConstAnalysis, example_value, freeze, is_inplace
+from .consts import ConstAnalysis, example_value, freeze, is_inplace, storage_key, written_args
 
 MAX_TERMS = 8
 
@@ -179,19 +179,58 @@ class Analyzer:
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
-        self.consts = ConstAnalysis(graph)
+        self.nodes = list(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self._keys: dict = {}
+        # every in-place write: (node, the tensors it writes), in graph order
+        self.writes = [(n, ts) for n in self.nodes for ts in (written_args(n),) if ts]
+        self.consts = ConstAnalysis(graph, dict(self.writes), self.key)
         self.sizes: dict[int, Any] = {}
         self._counter = itertools.count()
         self._cache: dict[fx.Node, Optional[AV]] = {}
-        self.canon = _value_numbering(graph)
-        self.nodes = list(graph.nodes)
-        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.canon = _value_numbering(self.nodes, self.writes, self.key)
         self.memo: dict = {}  # results the recognizers share (the state updates of loop.py)
-        self.versions = _versions(self.nodes, self.order)
+        self.versions = _versions(self.nodes, self.order, self.writes, self.key)
         self.readers: dict = {}  # node -> consumers that read it through a tensor it was written into
         for (consumer, _), value in self.versions.items():
             if value is not STALE:
                 self.readers.setdefault(value, []).append(consumer)
+
+    def key(self, node: fx.Node):
+        """The memory `node`'s value lives in (see consts.storage_key); a tuple of views (split,
+        unbind) lives in its parts' memory."""
+        k = self._keys.get(node)
+        if k is None:
+            val = example_value(node)
+            if isinstance(val, (tuple, list)) and val and isinstance(val[0], torch.Tensor) and node.args:
+                k = storage_key(node.args[0]) if isinstance(node.args[0], fx.Node) else ("node", node)
+            else:
+                k = storage_key(node)
+            self._keys[node] = k
+        return k
+
+    def writes_into(self, node: fx.Node) -> list:
+        """The in-place writes into `node`'s memory (through any alias), in graph order."""
+        if "writes_by_key" not in self.memo:
+            index: dict = {}
+            for w, ts in self.writes:
+                for k in {self.key(t) for t in ts}:
+                    index.setdefault(k, []).append(w)
+            self.memo["writes_by_key"] = index
+        return self.memo["writes_by_key"].get(self.key(node), [])
+
+    def written_between(self, node: fx.Node, start: int, stop: int) -> list:
+        """The in-place writes into `node`'s memory at positions start <= p < stop."""
+        return [w for w in self.writes_into(node) if start <= self.order[w] < stop]
+
+    def aliases(self, node: fx.Node) -> list:
+        """The nodes whose values live in `node`'s memory (itself included), in graph order."""
+        if "nodes_by_key" not in self.memo:
+            index: dict = {}
+            for n in self.nodes:
+                index.setdefault(self.key(n), []).append(n)
+            self.memo["nodes_by_key"] = index
+        return self.memo["nodes_by_key"].get(self.key(node), [node])
 
     def read(self, consumer: fx.Node, x):
         """What `consumer` reads for its argument x: x, or the value written into x in place
@@ -687,6 +726,15 @@ class Analyzer:
         out[d0], out[d1] = out[d1], out[d0]
         return self._relabel(va, tuple(out))
 
+    def _op_getattr(self, node, a, attr, *default):
+        """x.mT (x.mH of a real tensor): the last two axes swapped; x.T: all axes reversed."""
+        _, va = self._operand(a)
+        if attr == "mT" or attr == "mH" and not example_value(node).is_complex():
+            return self._op_transpose(node, a, -2, -1) if len(va.out) >= 2 else None
+        if attr == "T":
+            return self._relabel(va, tuple(reversed(va.out)))
+        return None
+
     def _op_t(self, node, a, **kw):
         _, va = self._operand(a)
         return self._relabel(va, tuple(reversed(va.out))) if len(va.out) <= 2 else None
@@ -955,16 +1003,16 @@ def _fix(f: Factor, v: int, index: int) -> Optional[Factor]:
 
 
 def _unit_slice(s: slice, size):
-    """'full' for `:`, the index i for `i:i+1`, else None."""
+    """'full' for a slice that keeps the whole axis, the index i for one that keeps one
+    element (`i:i+1`, `-1:`, `:1`), else None."""
     if s.step not in (None, 1):
         return None
     if s.start in (None, 0) and s.stop is None:
         return "full"
-    if isinstance(s.start, int) and isinstance(s.stop, int) and s.stop - s.start == 1:
-        if isinstance(size, int) and s.start < 0:
-            return s.start % size
-        return s.start
-    if isinstance(s.start, int) and s.stop is None and isinstance(size, int) and s.start == size - 1:
+    if isinstance(size, int) and all(x is None or isinstance(x, int) for x in (s.start, s.stop)):
+        kept = range(size)[s]  # Python's own clamping of negative and out-of-range bounds
+        return "full" if len(kept) == size else kept[0] if len(kept) == 1 else None
+    if isinstance(s.start, int) and isinstance(s.stop, int) and s.start >= 0 and s.stop - s.start == 1:
         return s.start
     return None
 
@@ -981,7 +1029,7 @@ _FUNCTIONS = {
     torch.where: "where", torch.tril: "tril", torch.triu: "triu", operator.getitem: "getitem",
     torch.select: "select", torch.narrow: "narrow", torch.unbind: "unbind",
     torch.clone: "identity", torch.broadcast_to: "expand", torch.flatten: "reshape",
-    torch.unflatten: "reshape", torch.repeat_interleave: "repeat_interleave",
+    torch.unflatten: "reshape", torch.repeat_interleave: "repeat_interleave", getattr: "getattr",
 }
 _METHODS = {
     "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "div": "div", "__truediv__": "div",
@@ -1002,7 +1050,7 @@ _METHODS = {
 # Ops whose value is their operand's, re-indexed: their abstract value keeps the operand's root.
 _VIEW_OPS = {
     "identity", "unsqueeze", "squeeze", "permute", "transpose", "t", "reshape", "expand",
-    "getitem", "select", "narrow", "repeat_interleave", "repeat",
+    "getitem", "select", "narrow", "repeat_interleave", "repeat", "getattr",
 }
 
 
@@ -1068,80 +1116,72 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _versions(nodes: list, order: dict) -> dict:
-    """(consumer, input) -> what the consumer reads, for each input whose memory was written
-    in place after the input was computed: the written value for a whole write of that very
-    tensor (`x.copy_(y)`, `x[:] = y`, same shape), else STALE. The algebra reads node values,
-    so without this a read after a write would see the value before it."""
-    writes = [n for n in nodes if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node)]
+def _versions(nodes: list, order: dict, writes: list, key) -> dict:
+    """(consumer, input) -> what the consumer reads, for each input whose memory (through any
+    alias) was written in place after the input was computed: the written value for a whole
+    write of that very tensor (`x.copy_(y)`, `x[:] = y`, same shape; y as the write read it),
+    else STALE. The algebra reads node values, so without this a read after a write would see
+    the value before it."""
     if not writes:
         return {}
-    first = order[writes[0]]
-    roots: dict = {}
-
-    def root(x):
-        if x not in roots:
-            roots[x] = storage_root(x)
-        return roots[x]
-
-    written: dict = {}  # storage root -> (position of the last write, value or STALE)
+    targets = dict(writes)
+    first = order[writes[0][0]]
+    written: dict = {}  # storage -> (position of the last write, value or STALE, the tensor written)
     res: dict = {}
     for i, n in enumerate(nodes[first:], first):
-        for a in n.all_input_nodes:
-            w = written.get(root(a)) if written else None
-            if w is not None and w[0] > order[a]:
-                res[(n, a)] = w[1] if root(a) is a else STALE
-        if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
-            target = n.args[0]
-            value = _whole_write(n) if root(target) is target else None
-            written[root(target)] = (i, value if value is not None else STALE)
+        if written:
+            for a in n.all_input_nodes:
+                w = written.get(key(a))
+                if w is not None and w[0] > order[a]:
+                    res[(n, a)] = w[1] if w[2] is a else STALE
+        for target in targets.get(n, ()):
+            value = _whole_write(n, target)
+            if value is not None:
+                value = res.get((n, value), value)  # y itself may have been written before the copy
+            written[key(target)] = (i, STALE if value is None else value, target)
     return res
 
 
-def _whole_write(n: fx.Node) -> Optional[fx.Node]:
-    """y for `x.copy_(y)` / `x[:] = y` (y of x's shape), else None."""
+def _whole_write(n: fx.Node, target: fx.Node) -> Optional[fx.Node]:
+    """y for `x.copy_(y)` / `x[:] = y` into target x (y of x's shape), else None."""
     if n.op == "call_method" and n.target == "copy_" and len(n.args) >= 2:
-        target, value = n.args[0], n.args[1]
+        x, value = n.args[0], n.args[1]
     elif n.op == "call_function" and n.target is operator.setitem:
-        target, index, value = n.args
+        x, index, value = n.args
         whole = (slice(None), Ellipsis)
         if not (index in whole or isinstance(index, tuple) and all(i in whole for i in index)):
             return None
     else:
         return None
-    tv, vv = example_value(target), example_value(value) if isinstance(value, fx.Node) else None
-    if not isinstance(vv, torch.Tensor) or tuple(vv.shape) != tuple(tv.shape):
+    tv, vv = example_value(x), example_value(value) if isinstance(value, fx.Node) else None
+    if x is not target or not isinstance(vv, torch.Tensor) or tuple(vv.shape) != tuple(tv.shape):
         return None
     return value
 
 
-def _value_numbering(graph: fx.Graph) -> dict:
+def _value_numbering(nodes: list, writes: list, key) -> dict:
     """Map each pure node to the first node that computes the same thing.
 
     Dynamo does not CSE, so a loop that recomputes `-A_log.exp()` every step holds T
-    equal nodes; atoms compare by their canonical node. Nodes that read a mutated tensor
-    are left alone (their value depends on program order)."""
-    mutated: set = set()
-    for n in graph.nodes:
-        if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
-            mutated.add(n.args[0])
+    equal nodes; atoms compare by their canonical node. Nodes that hold or read memory that
+    is written in place anywhere (through any alias) are left alone: their value depends on
+    program order."""
+    mutated = {key(t) for _, ts in writes for t in ts}
+    writers = {w for w, _ in writes}
     canon: dict = {}
     seen: dict = {}
-    tainted: set = set(mutated)
-    for n in graph.nodes:
-        if any(isinstance(a, fx.Node) and a in tainted for a in n.all_input_nodes):
-            tainted.add(n)
-        if n.op not in ("call_function", "call_method") or n in tainted or is_inplace(n):
-            continue
-        if n.target is operator.getitem:
+    for n in nodes:
+        if n.op not in ("call_function", "call_method") or n.target is operator.getitem:
             continue  # index tuples are costly to hash and Dynamo never repeats them
+        if mutated and (n in writers or key(n) in mutated or any(key(a) in mutated for a in n.all_input_nodes)):
+            continue
         try:
-            key = (n.op, n.target, freeze(n.args, canon), freeze(n.kwargs, canon))
-            hash(key)
+            k = (n.op, n.target, freeze(n.args, canon), freeze(n.kwargs, canon))
+            hash(k)
         except TypeError:
             continue
-        if key in seen:
-            canon[n] = seen[key]
+        if k in seen:
+            canon[n] = seen[k]
         else:
-            seen[key] = n
+            seen[k] = n
     return canon

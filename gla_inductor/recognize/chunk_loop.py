@@ -30,7 +30,7 @@ def find(an: Analyzer, seeds: dict) -> list:
     more such outputs (a last chunk of one step has no decay mask to read: the certificate
     covers it all the same)."""
     loops = []
-    for asm in find_outputs(an.graph):
+    for asm in find_outputs(an):
         found = [e for e in asm.elements if e in seeds]
         if len(found) >= 2:
             loops.append((asm, found))

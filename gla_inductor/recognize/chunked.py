@@ -37,8 +37,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .algebra import _VIEW_OPS, AV, Analyzer, Factor, comps, factor_vars, mono_vars, op_name, out_vars, storage_root
-from .consts import example_value, is_inplace
+from .algebra import _VIEW_OPS, AV, Analyzer, Factor, comps, factor_vars, mono_vars, op_name, out_vars
+from .consts import example_value, is_inplace, written_args
 from .emit import Emitter, Group, LFactor, Transaction
 from .match import Match, NearMiss, Reject
 from . import placement
@@ -86,7 +86,7 @@ class Spec:
 
 
 def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
-    from . import chunk_loop
+    from . import chunk_loop, parallel
 
     matches, near = [], []
     seeds = _seeds(an)
@@ -100,6 +100,8 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
     for out, (term, roles) in seeds.items():
         if out in in_loops or len(an.value(out).terms) < 2:
             continue  # one chunk alone, without a state read, is a parallel form
+        if roles.c is None and parallel.proven(an, out):
+            continue  # one chunk with a state read that the parallel form proves, at any size
         try:
             matches.append(_analyze(an, out, term, roles))
         except Reject as e:
@@ -258,10 +260,10 @@ def _complete(an: Analyzer, base: Spec) -> Spec:
         cut = core | ({gate.g.node} if gate.g is not None else set())
         nodes, frontier, consts = _slice(an, [base.out], cut)
         for h0, h0_groups in _state_options(base, frontier):
+            if frontier - {h0}:
+                continue  # data the computation reads is left unexplained
             leaves = cut | ({h0} if h0 is not None else set())
             for final, final_groups in _final_options(an, base, nodes, leaves):
-                if frontier - {h0}:
-                    continue  # data the computation reads is left unexplained
                 spec = replace(gate, h0=h0, h0_groups=h0_groups, final=final, final_groups=final_groups)
                 spec = _with_fitted_gamma(an, spec) if spec.gate == "fit" else spec
                 if spec is None:
@@ -391,7 +393,14 @@ def _letterings(shape: tuple, roles: str, sizes: dict) -> list:
 # ---- the subgraph -------------------------------------------------------------------------------
 def _slice(an: Analyzer, outputs: list, cut: set) -> tuple[set, set, dict]:
     """(nodes, frontier, consts): the nodes between `cut` and `outputs`, the data they read
-    that is neither cut nor analytic (placeholders, other ops), and their constants."""
+    that is neither cut nor analytic (placeholders, other ops), and their constants. The
+    in-place writes into their memory (through any alias) before the last output belong to
+    the computation; later ones (a cache the final state is copied into) do not."""
+    stop = max(an.order[o] for o in outputs)
+
+    def writes(n):
+        return an.written_between(n, 0, stop)
+
     nodes, frontier, consts = set(), set(), {}
     stack = list(outputs)
     while stack:
@@ -400,19 +409,19 @@ def _slice(an: Analyzer, outputs: list, cut: set) -> tuple[set, set, dict]:
             continue
         if _uninitialized(n):
             consts[n] = "empty"
-            stack += [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n]
+            stack += writes(n)
             continue
         if an.consts.is_const(n) or _factory(n):
             consts[n] = None
             if _factory(n):  # a buffer the code fills in place
-                stack += [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n]
+                stack += writes(n)
             continue
         if not _analytic(an, n):
             frontier.add(n)
             continue
         nodes.add(n)
         stack += [x for x in n.all_input_nodes]
-        stack += [u for u in n.users if is_inplace(u) and u.args and u.args[0] is n]  # writes into n
+        stack += writes(n)
     return nodes, frontier, consts
 
 
@@ -650,14 +659,15 @@ def emit(em: Emitter, spec: Spec, nodes: dict) -> tuple:
     return o, ht
 
 
-def _local_writes(nodes: set, consts: dict) -> list:
-    """The in-place writes of the computation; each into a buffer that only it reads."""
+def _local_writes(an: Analyzer, nodes: set, consts: dict, outputs: list) -> list:
+    """The in-place writes of the computation; each into memory that only it sees (the outputs
+    aside, whose users the rewrite points at the op's)."""
     writes = [n for n in nodes if is_inplace(n)]
     inside = nodes | set(consts)
     for w in writes:
-        buf = storage_root(w.args[0])
-        if buf not in inside or any(u not in inside for u in buf.users):
-            raise Reject("the chunked computation writes into a tensor read elsewhere")
+        for a in (a for t in written_args(w) for a in an.aliases(t)):
+            if a not in inside or a not in outputs and any(u not in inside for u in a.users):
+                raise Reject("the chunked computation writes into a tensor read elsewhere")
     return writes
 
 
@@ -673,9 +683,10 @@ def _match(an: Analyzer, spec: Spec) -> Match:
     if late:
         raise Reject(f"inputs {late} are computed after the output")
     nodes, _, consts = _slice(an, spec.outputs(), set(deps))
-    writes = _local_writes(nodes, consts)
-    start = min(an.order[n] for n in nodes)
-    placement.check_unmodified(an, deps, start, an.order[anchor])
+    writes = _local_writes(an, nodes, consts, spec.outputs())
+    if any(an.order[w] > an.order[anchor] for w in writes):
+        raise Reject("the chunked computation writes into its output after computing it")
+    placement.check_unmodified(an, deps, an.order[anchor])
     if spec.h0 is not None and placement.written_after(an, spec.h0, anchor):
         if any(placement.requires_grad(d) for d in deps) and torch.is_grad_enabled():
             raise Reject("the initial state is overwritten in place while gradients are needed")

@@ -8,6 +8,8 @@ with the size.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any, Optional
 
@@ -34,30 +36,114 @@ def example_value(node: Any):
     return val
 
 
-def is_inplace(node: fx.Node) -> bool:
+# Methods named like in-place ops that change no tensor's values (autograd flags only).
+_NOT_WRITES = {"requires_grad_", "detach_", "share_memory_", "retain_grad"}
+# Augmented assignments: Dynamo records `x *= y` on a tensor as operator.imul(x, y).
+_AUGMENTED = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul,
+}
+_AUGMENTED_METHODS = {f"__i{f.__name__[1:]}__" for f in _AUGMENTED}
+
+
+def written_args(node: fx.Node) -> list:
+    """The tensor nodes whose memory `node` writes in place: the first argument of an in-place
+    op (`x.mul_(2)`, `torch.exp_(x)`, `x[i] = y`, `x *= y`, `F.relu(x, inplace=True)`, every
+    tensor of `torch._foreach_mul_([x, y], 2)`), the `out=` tensors, and the mutable arguments
+    of an aten overload. A read of memory written this way sees the new value, which the
+    algebra (reading node values) only knows through `Analyzer.versions`."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    res = _tensor_nodes(node.kwargs.get("out"))
     if node.op == "call_method":
         name = node.target
-        return name.endswith("_") and not name.startswith("__") or name in ("__setitem__",)
-    if node.op == "call_function":
-        if node.target is operator.setitem:
-            return True
+        inplace = name in _AUGMENTED_METHODS or name == "__setitem__" or (
+            name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)
+    elif node.target is operator.setitem or node.target in _AUGMENTED:
+        inplace = True
+    elif isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return res + _schema_writes(node)
+    else:
         name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
-    return False
-
-
-def _written_in_place(graph: fx.Graph) -> set:
-    """Tensors written in place, and those they are views of: their value depends on where
-    they are read (a mask built with ones() then tril_() is not the ones())."""
-    res = set()
-    for n in graph.nodes:
-        x = n.args[0] if is_inplace(n) and n.args else None
-        while isinstance(x, fx.Node) and x not in res:
-            res.add(x)
-            val = example_value(x)
-            is_view = isinstance(val, torch.Tensor) and val._is_view()
-            x = x.args[0] if is_view and x.args else None
+        inplace = name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES
+        inplace = inplace or _inplace_flag(node)
+    if inplace and node.args:
+        res += _tensor_nodes(node.args[0])
     return res
+
+
+def is_inplace(node: fx.Node) -> bool:
+    return bool(written_args(node))
+
+
+def _tensor_nodes(x) -> list:
+    if isinstance(x, fx.Node):
+        val = example_value(x)
+        return [x] if val is None or isinstance(val, torch.Tensor) else []  # unknown: assume a tensor
+    if isinstance(x, (list, tuple)):
+        return [n for i in x for n in _tensor_nodes(i)]
+    return []
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """`inplace=True` of torch.nn.functional ops (relu, dropout, ...), by keyword or position."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if getattr(node.target, "__module__", None) != "torch.nn.functional" or not any(a is True for a in node.args):
+        return False
+    params = _inplace_position(node.target)
+    return params is not None and len(node.args) > params and node.args[params] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(target) -> Optional[int]:
+    try:
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _schema_writes(node: fx.Node) -> list:
+    """Arguments an aten overload declares written (`Tensor(a!)`); every tensor argument of an
+    overload packet whose name says in place."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        name = target._qualified_op_name.split("::")[-1]
+        return _tensor_nodes(node.args[:1]) if name.endswith("_") else []
+    res = []
+    for n, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            x = node.args[n] if n < len(node.args) else node.kwargs.get(arg.name)
+            res += _tensor_nodes(x)
+    return res
+
+
+def storage_key(node: fx.Node):
+    """An identity of the memory a tensor node's value lives in: its example value's storage,
+    which views, `.data`, `detach()`, the parts of `split` and casts to the same dtype share
+    with their source (as they do at run time). Where that is not known, the node itself."""
+    val = example_value(node)
+    if isinstance(val, torch.Tensor):
+        try:
+            return ("storage", val.untyped_storage()._cdata)
+        except Exception:  # noqa: BLE001 - a tensor without storage (sparse, nested)
+            pass
+    return ("node", node)
+
+
+def _written_later(nodes: list, writes: dict, key) -> set:
+    """Tensors whose memory is written in place after they are computed (through any alias):
+    their value depends on where they are read (a mask built with ones() then tril_() is not
+    the ones()). writes: node -> the tensors it writes."""
+    last_write: dict = {}
+    for i, n in enumerate(nodes):
+        for t in writes.get(n, ()):
+            last_write[key(t)] = i
+    if not last_write:
+        return set()
+    return {n for i, n in enumerate(nodes) if last_write.get(key(n), -1) > i}
 
 
 def freeze(x, canon: dict):
@@ -90,13 +176,18 @@ def _hint(x):
 
 
 class ConstAnalysis:
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, writes: Optional[dict] = None, key=storage_key):
+        """writes: node -> the tensors it writes in place (computed here when not given)."""
         self.graph = graph
         self._const: dict[fx.Node, bool] = {}
         self._zeros: dict[fx.Node, bool] = {}
         self._values: dict[fx.Node, Any] = {}
-        mutated = _written_in_place(graph)
-        for n in graph.nodes:
+        nodes = list(graph.nodes)
+        if writes is None:
+            writes = {n: ts for n in nodes for ts in (written_args(n),) if ts}
+        self._writes = writes
+        mutated = _written_later(nodes, writes, key)
+        for n in nodes:
             self._const[n] = n not in mutated and self._classify(n)
 
     def _classify(self, n: fx.Node) -> bool:
@@ -107,7 +198,7 @@ class ConstAnalysis:
             return True
         if n.op not in ("call_function", "call_method"):
             return False
-        if is_inplace(n) and n.target not in ("zero_",):
+        if n in self._writes and n.target not in ("zero_",):
             return False
         if n.op == "call_function" and n.target in _RANDOM:
             return False

@@ -119,7 +119,8 @@ def diagnose_update(an: Analyzer, node: fx.Node) -> Optional[str]:
         return None
     out_set = out_vars(av.out)
     selfish = [m for m in av.terms if any(_is_full_atom(f, av.out) for f in m[1])]
-    if not selfish:
+    # a state is an earlier update or comes from outside; `G[:, :1] - G` updates nothing
+    if not any(_is_full_atom(f, av.out) and _state_like(f.atom.node) for m in selfish for f in m[1]):
         return None
     for m in av.terms:
         if mono_vars(m) - out_set and any(f.kind == "atom" and _rank(f.atom.node) == len(av.out) for f in m[1]):
@@ -130,6 +131,10 @@ def diagnose_update(an: Analyzer, node: fx.Node) -> Optional[str]:
     if others and not _is_outer_product(others[0], out_set):
         return "the update adds no outer product k^T v (elementwise recurrence)"
     return None
+
+
+def _state_like(node: fx.Node) -> bool:
+    return op_name(node) in ("add", "sub", "mul", "div") or node.op in ("placeholder", "get_attr")
 
 
 def parse_read(an: Analyzer, node: fx.Node, states: dict) -> Optional[Read]:
@@ -150,14 +155,21 @@ def parse_read(an: Analyzer, node: fx.Node, states: dict) -> Optional[Read]:
     return Read(node, av, sf.atom.node, sf, kvar, [f for f in fs if f is not sf], coef)
 
 
-def find_outputs(graph: fx.Graph) -> list[Assembly]:
-    """Stacks, cats, and buffers filled by `buf[..., t, ...] = value` along one axis."""
+def find_outputs(an: Analyzer) -> list[Assembly]:
+    """Stacks, cats, and buffers filled by `buf[..., t, ...] = value` along one axis, of values
+    not written in place since they were computed (the elements are read as their nodes)."""
+    if "outputs" not in an.memo:
+        an.memo["outputs"] = _find_outputs(an)
+    return an.memo["outputs"]
+
+
+def _find_outputs(an: Analyzer) -> list[Assembly]:
     found = []
     buffers: dict = {}
-    for n in graph.nodes:
+    for n in an.graph.nodes:
         if n.op == "call_function" and n.target in (torch.stack, torch.cat) and n.args:
             elems = n.args[0]
-            if isinstance(elems, (list, tuple)) and all(isinstance(e, fx.Node) for e in elems):
+            if isinstance(elems, (list, tuple)) and all(isinstance(e, fx.Node) and _fresh(an, n, e) for e in elems):
                 dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
                 rank = _rank(n)
                 kind = "stack" if n.target is torch.stack else "cat"
@@ -165,7 +177,7 @@ def find_outputs(graph: fx.Graph) -> list[Assembly]:
         elif n.op == "call_function" and n.target is operator.setitem:
             buf, index, value = n.args
             axis_pos = _time_index(buf, index)
-            if axis_pos is None or not isinstance(value, fx.Node):
+            if axis_pos is None or not isinstance(value, fx.Node) or not _fresh(an, n, value):
                 buffers.setdefault(buf, []).append(None)
                 continue
             buffers.setdefault(buf, []).append((n, axis_pos, value))
@@ -181,6 +193,10 @@ def find_outputs(graph: fx.Graph) -> list[Assembly]:
         asm.setitems = [w[0] for w in writes]
         found.append(asm)
     return found
+
+
+def _fresh(an: Analyzer, consumer: fx.Node, x: fx.Node) -> bool:
+    return an.versions.get((consumer, x), x) is x
 
 
 def _time_index(buf, index) -> Optional[tuple]:
@@ -229,7 +245,7 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
     """Time loops: chains of two or more steps."""
     steps, near = find_steps(an)
     near = list(near)
-    outputs = find_outputs(an.graph)
+    outputs = find_outputs(an)
     matches = []
     for chain in _chains(steps):
         if len(chain) < 2:
@@ -253,11 +269,29 @@ def recognize_decode(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             continue
         if storage_root(st.prev).op not in ("placeholder", "get_attr"):
             continue
+        if _updates(an).get(st.prev, 0) > 1:  # RWKV-6 reads S + u k^T v beside the update S * d + k^T v
+            near.append(NearMiss("decode", "the cached state is updated twice (a bonus read, not a recurrence)", [st.node]))
+            continue
         try:
             matches.append(analyze_chain(an, chain, [], single=True))
         except Reject as e:
             near.append(NearMiss("decode", str(e), [st.node]))
     return matches, near
+
+
+def _updates(an: Analyzer) -> dict:
+    """state -> how many sums add something to it (whole, decayed or not): GLA steps and
+    updates of other shapes (a shared k^T v is one atom to the algebra)."""
+    if "updates" in an.memo:
+        return an.memo["updates"]
+    counts = an.memo["updates"] = {}
+    for n in an.graph.nodes:
+        av = an.value(n) if op_name(n) in ("add", "sub") else None
+        if av is None or len(av.terms) < 2:
+            continue
+        for x in {f.atom.node for _, fs in av.terms for f in fs if _is_full_atom(f, av.out)}:
+            counts[x] = counts.get(x, 0) + 1
+    return counts
 
 
 def _chains(steps: dict) -> list[list[Step]]:
@@ -414,10 +448,16 @@ def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly], sing
 
 
 def _check_same_structure(chain: list[Step], lifted: list) -> None:
+    """Every step is the last one (which is emitted) at its own time index."""
     for key in ("q", "k", "v"):
         sigs = {lf[key][0] for lf in lifted if lf[key] is not None}
         if len(sigs) != 1:
             raise Reject(f"the {key} of the steps differ in structure")
+    last = lifted[-1]
+    if any(lf.get("scale") != last.get("scale") for lf in lifted):
+        raise Reject("the outputs of the steps are scaled differently")
+    if any(lf.get("read_groups") != last.get("read_groups") for lf in lifted):
+        raise Reject("the outputs of the steps are laid out differently")
     decays = [lf["decay"] for lf in lifted[1:]] + ([lifted[0]["decay"]] if chain[0].prev is not None else [])
     if len({d[0] if d is not None else None for d in decays}) > 1:
         raise Reject("the decay differs in structure between steps")

@@ -1,29 +1,48 @@
 """The parallel form: one contraction
 
     o[.., i, v] = scale * sum_{j, k} q[.., i, k] k[.., j, k] v[.., j, v] * D[.., i, j(, k)]
+                + scale * sum_k q[.., i, k] * exp(G_i)[.., k] * h0[.., k, v]        (optional)
 
-with a causal decay D = exp(G_i - G_j) * [i >= j], G = cumsum of the log-gate over time.
-Scalar gates (G over time), vector gates (G over time and K, e.g. (q * e^G) @ (k * e^-G)^T
-or the pairwise [T, T, K] form) and constant gates (exp((i - j) * gamma[h])) are read from
-the exponent's linear form; the mask (tril, masked_fill(-inf), where, 0/1 products) is
-evaluated concretely and must be exactly i >= j.
+with a decay D = exp(G_i - G_j) on the causal triangle (i >= j; j >= i for the reverse,
+anti-causal form), and optionally the final state, a separate value
+
+    S[.., k, v] = sum_j exp(G_last - G_j)[.., k] k[.., j, k] v[.., j, v] + exp(G_last) h0.
+
+The mask (tril, triu, masked_fill(-inf), where, 0/1 products) is evaluated concretely and
+must be exactly i >= j or j >= i. Decay exponents are read as sums of log-gate tensors X at
+a time position (i, j, or the first or last step), X a forward cumsum, a reverse cumsum
+(flip-cumsum-flip) or a plain per-step tensor of a source s; each term then weighs s_u
+by an indicator of u (u <= t, u >= t, u == t). GLA needs, for each source, the weights c_s
+on exactly the steps the recurrence decays over: u in (j, i] (forward) or [i, j) (reverse),
+u <= i or u >= i for the initial state. The weights depend only on where u lies against i, j
+and the ends, so checking every point of a 5-step sequence proves them for every length.
+Constant gates, exp(C[i, j] * gamma[h]) with C built from aranges, are evaluated: C must be
+lambda times the number of steps decayed over.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from .algebra import AV, Analyzer, Factor, comps, factor_vars, mono_vars
+from .algebra import AV, Analyzer, Factor, _rank, _sub_mono, comps, factor_vars, mono_vars, out_vars
 from .consts import _hint, example_value
 from .emit import Emitter, Group, LFactor, sizes_from
 from .loop import Reject, _cast, _lfactor
 from .match import Match, NearMiss
 from . import placement
+
+# Weights are checked on a sequence of this many steps: the indicators a weight sums depend
+# only on where u lies against i, against j and against the two ends, and every such case
+# occurs in it (u strictly between j and i, both away from the ends, takes five steps).
+ORDER_STEPS = 5
+COEF_RTOL = 1e-9  # coefficients are Python floats multiplied in different orders
 
 
 @dataclass
@@ -38,54 +57,106 @@ class Roles:
     batch: list  # batch vars in output order
 
 
+@dataclass
+class Candidate:
+    av: AV
+    par: tuple  # the monomial q k v D
+    h0: Optional[tuple]  # the monomial q exp(G_i) h0, or None
+
+
 def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
-    matches, near = [], []
-    candidates = {}
-    for n in an.graph.nodes:
-        av = an.value(n)
-        if _looks_parallel(av):
-            candidates[n] = av
-    covered = set()  # candidates replaced, or computed from a replaced one
-    for n, av in candidates.items():  # in graph order
+    cands = _candidates(an)
 
-        def extends(u) -> bool:  # u is n cast or scaled: the same GLA with the same inputs
-            return u in candidates and _same_inputs(candidates[u], av)
+    def extends(n, u) -> bool:  # u is n cast, scaled or plus h0's share: the same GLA
+        return u in cands and _same_inputs(cands[u], cands[n])
 
-        # Prefer the outermost spelling when nothing but its extensions reads n; a value that
-        # something else reads too is replaced itself, and its extensions follow from it.
-        if n.users and all(extends(u) for u in n.users):
+    def taken_over(n) -> bool:
+        """Only extensions read n, and each is replaced (or taken over itself): n goes with them."""
+        users = list(n.users)
+        return bool(users) and all(extends(n, u) for u in users) and all(
+            isinstance(analyze(an, u), Match) or taken_over(u) for u in users)
+
+    matches, near, covered = [], [], set()
+    for n in cands:  # in graph order
+        if taken_over(n):
             continue
-        if any(a in covered and _same_inputs(candidates[a], av) for a in n.all_input_nodes):
-            covered.add(n)
+        if any(a in covered and extends(a, n) for a in n.all_input_nodes):
+            covered.add(n)  # computed from a replaced candidate: it follows from it
             continue
-        try:
-            matches.append(_analyze(an, n, av))
+        r = analyze(an, n)
+        if isinstance(r, Match):
+            matches.append(r)
             covered.add(n)
-        except Reject as e:
-            near.append(NearMiss("parallel", str(e), [n]))
+        else:
+            near.append(NearMiss("parallel", str(r), [n]))
     return matches, near
 
 
-def _looks_parallel(av: Optional[AV]) -> bool:
-    if av is None or av.keep is not None or len(av.terms) != 1:
-        return False
-    coef, fs = av.terms[0]
-    atoms = [f for f in fs if f.kind == "atom"]
-    summed = mono_vars(av.terms[0]) - set(av.out)
-    return len(atoms) == 3 and len(summed) >= 2 and len(fs) > 3
+def proven(an: Analyzer, node: fx.Node) -> bool:
+    """Whether `node` is a parallel form this module proves (the chunked form leaves one chunk
+    with an initial-state read to it)."""
+    return node in _candidates(an) and isinstance(analyze(an, node), Match)
 
 
-def _same_inputs(a: AV, b: AV) -> bool:
-    na = sorted(f.atom.node.name for f in a.terms[0][1] if f.kind == "atom")
-    nb = sorted(f.atom.node.name for f in b.terms[0][1] if f.kind == "atom")
-    return na == nb
+def analyze(an: Analyzer, node: fx.Node):
+    """The Match of a candidate, or the Reject that says why not (computed once per graph)."""
+    results = an.memo.setdefault("parallel_results", {})
+    if node not in results:
+        try:
+            results[node] = _analyze(an, node, _candidates(an)[node])
+        except Reject as e:
+            results[node] = e
+    return results[node]
 
 
-def _roles(av: AV) -> Roles:
-    coef, fs = av.terms[0]
+def _candidates(an: Analyzer) -> dict:
+    if "parallel_candidates" not in an.memo:
+        cands = {}
+        for n in an.graph.nodes:
+            c = _candidate(an.value(n))
+            if c is not None:
+                cands[n] = c
+        an.memo["parallel_candidates"] = cands
+    return an.memo["parallel_candidates"]
+
+
+def _candidate(av: Optional[AV]) -> Optional[Candidate]:
+    """One monomial of three inputs contracted over two axes under a decay, and at most one
+    more: a product of two inputs contracted over one axis (q and the initial state)."""
+    if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2:
+        return None
+    ov = out_vars(av.out)
+    par = [m for m in av.terms if _is_parallel(m, ov)]
+    if len(par) != 1:
+        return None
+    rest = [m for m in av.terms if m is not par[0]]
+    if rest and not _is_state_read(rest[0], ov):
+        return None
+    return Candidate(av, par[0], rest[0] if rest else None)
+
+
+def _is_parallel(m, ov: set) -> bool:
+    atoms = [f for f in m[1] if f.kind == "atom"]
+    return len(atoms) == 3 and len(mono_vars(m) - ov) >= 2 and len(m[1]) > 3
+
+
+def _is_state_read(m, ov: set) -> bool:
+    atoms = [f for f in m[1] if f.kind == "atom"]
+    return len(atoms) == 2 and len(mono_vars(m) - ov) == 1
+
+
+def _same_inputs(a: Candidate, b: Candidate) -> bool:
+    def names(c):
+        return sorted(f.atom.node.name for f in c.par[1] if f.kind == "atom")
+
+    return names(a) == names(b)
+
+
+def _roles(av: AV, term) -> Roles:
+    coef, fs = term
     atoms = [f for f in fs if f.kind == "atom"]
     out = [v for v in av.out if v is not None]
-    summed = mono_vars(av.terms[0]) - set(out)
+    summed = mono_vars(term) - set(out)
     others = [f for f in fs if f.kind != "atom"]
     other_vars = set().union(*[factor_vars(f) for f in others]) if others else set()
 
@@ -123,61 +194,52 @@ def _roles(av: AV) -> Roles:
     return Roles(q, k, v, i, j, kk, vv, batch)
 
 
-def _analyze(an: Analyzer, node: fx.Node, av: AV) -> Match:
-    r = _roles(av)
-    coef, fs = av.terms[0]
-    letter = {x: "bh"[n] for n, x in enumerate(r.batch)}
+# ---- the whole analysis ---------------------------------------------------------------------
+def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
+    av = cand.av
+    r = _roles(av, cand.par)
+    coef, fs = cand.par
+    # one batch axis is read as the heads (B = 1): a constant gate per head then fits it
+    letter = {x: "bh"[n + 2 - len(r.batch)] for n, x in enumerate(r.batch)}
     letter.update({r.kk: "k", r.vv: "v"})
     masks, exps, scalars = [], [], []
     for f in fs:
         if f.kind == "atom":
             continue
         if f.kind == "scalar":
-            scalars.append(LFactor(f.node, ""))
+            scalars.append(f)
             continue
         if not factor_vars(f) <= set(r.batch) | {r.i, r.j, r.kk}:
             raise Reject("the decay is indexed by the value axis")
         (exps if f.kind == "exp" else masks).append(f)
+    reverse = _direction(an, masks, r)
+    T = int(_hint(an.sizes[r.i]))
+    gate = _gate(an, exps, r, letter, reverse, T)
+    keys = {r.q.atom.node, r.k.atom.node} | set(gate.reads)
+    if depends_on(an, r.v.atom.node, keys):
+        raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
+    h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
+    final = _final_state(an, node, r, letter, gate, reverse, T, h0)
+    return _build(an, node, av, r, letter, gate, coef, scalars, h0, final, reverse)
+
+
+def _direction(an: Analyzer, masks: list, r: Roles) -> bool:
+    """Whether the mask is exactly j >= i (reverse); raises unless it is i >= j or that."""
     mask = _mask_product(an, masks, r)
     if mask is None:
         raise Reject("the mask could not be evaluated")
-    tri = torch.ones_like(mask, dtype=torch.bool).tril()
-    if not torch.equal(mask != 0, tri):
-        raise Reject("the mask is not causal lower-triangular (i >= j)")
-    if not torch.all(mask[tri] == 1):
+    if mask.shape[0] != mask.shape[1]:
+        raise Reject("queries and keys have different lengths")
+    lower = torch.ones_like(mask, dtype=torch.bool).tril()
+    if torch.equal(mask != 0, lower):
+        reverse = False
+    elif torch.equal(mask != 0, lower.T):
+        reverse = True
+    else:
+        raise Reject("the mask is not causal lower-triangular (i >= j) or anti-causal (j >= i)")
+    if not torch.all(mask[mask != 0] == 1):
         raise Reject("the mask is not a 0/1 mask")
-    gate = _gate(an, exps, r, letter)
-    keys = {r.q.atom.node, r.k.atom.node} | {g.atom.node for f in exps for _, gs in f.inner for g in gs if g.kind == "atom"}
-    if depends_on(an, r.v.atom.node, keys):
-        raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
-    _check_unmodified(an, node, av)
-    return _build(an, node, av, r, letter, gate, coef, scalars)
-
-
-def _check_unmodified(an: Analyzer, node: fx.Node, av: AV) -> None:
-    """The op reads its inputs where `node` is; the expression read them at its own nodes:
-    no in-place write to an input may fall in between."""
-    atoms = set()
-
-    def visit(factors):
-        for f in factors:
-            if f.kind == "atom":
-                atoms.add(f.atom.node)
-            elif f.node is not None:
-                atoms.add(f.node)
-            for _, inner in f.inner:
-                visit(inner)
-
-    visit(av.terms[0][1])
-    seen, frontier = set(), [node]
-    while frontier:  # the expression: the nodes between the atoms and `node`
-        n = frontier.pop()
-        for x in n.all_input_nodes:
-            if x not in atoms and x not in seen and not an.consts.is_const(x):
-                seen.add(x)
-                frontier.append(x)
-    start = min((an.order[n] for n in seen), default=an.order[node])
-    placement.check_unmodified(an, list(atoms), start, an.order[node])
+    return reverse
 
 
 def depends_on(an: Analyzer, node: fx.Node, targets: set) -> bool:
@@ -220,115 +282,484 @@ def _mask_product(an: Analyzer, masks: list, r: Roles) -> Optional[torch.Tensor]
             return None
         if f.negate:
             val = ~val.bool()
-        val = val.float()
-        # squeeze size-1 axes, then order as (i, j)
-        axes = [x for x in f.idx]
-        val = val.reshape([s for s, x in zip(val.shape, axes) if x is not None])
-        axes = [x for x in axes if x is not None]
-        if axes == [r.j, r.i]:
-            val = val.T
-        elif axes == [r.i]:
-            val = val[:, None]
-        elif axes == [r.j]:
-            val = val[None, :]
-        total = total * val
+        total = total * _as_matrix(val.float(), f.idx, r.i, r.j)
     return total
+
+
+def _as_matrix(val: torch.Tensor, idx: tuple, i, j) -> torch.Tensor:
+    """A constant indexed by (some of) i and j, as an [i, j] matrix (broadcast where absent)."""
+    axes = list(idx)
+    val = val.reshape([s for s, x in zip(val.shape, axes) if x is not None])
+    axes = [x for x in axes if x is not None]
+    if axes == [j, i]:
+        return val.T
+    if axes == [i]:
+        return val[:, None]
+    if axes == [j]:
+        return val[None, :]
+    return val
+
+
+# ---- exponents ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Use:
+    """One term of a decay exponent: coef * X[pos], X the cumulative sum of a log-gate source
+    (`kind` fwd: X_t = sum_{u <= t} s_u, rev: sum_{u >= t}, raw: X = s)."""
+
+    coef: float
+    source: tuple  # (node of s, role letters of its axes, 't' for time)
+    kind: str
+    pos: str  # "i" | "j" | "first" | "last"
+
+
+@dataclass
+class Exponent:
+    uses: list = field(default_factory=list)
+    consts: list = field(default_factory=list)  # (coef, const factor, gamma atom factor)
 
 
 @dataclass
 class Gate:
     kind: str  # none | scalar | vector | constant
     terms: list  # (coef, LFactor) whose weighted sum is g (or g_gamma)
+    weights: dict = field(default_factory=dict)  # source -> c (data gates); gamma key -> c * lambda
+    reads: list = field(default_factory=list)  # the nodes the exponent reads (to check for writes)
 
 
-def _gate(an: Analyzer, exps: list, r: Roles, letter: dict) -> Gate:
-    inner = [m for f in exps for m in f.inner]
-    if not inner:
-        return Gate("none", [])
-    by_key: dict = {}
-    const_terms = []
-    for c, fs in inner:
+def _exponent(an: Analyzer, factors: list, times: dict, letter: dict, T: int) -> Exponent:
+    """The exponent of a product of exp factors, term by term. times: var -> position. A term
+    without a time axis (T * gamma[h]) is a constant-gate term with C = 1."""
+    ex = Exponent()
+    for c, fs in _expanded(an, [m for f in factors for m in f.inner]):
         atoms = [f for f in fs if f.kind == "atom"]
         consts = [f for f in fs if f.kind == "const"]
-        if len(fs) == 1 and atoms:
-            f = atoms[0]
-            if f.atom.fixed:
-                raise Reject("the decay exponent indexes a gate at an integer position")
-            has_i, has_j = r.i in f.idx, r.j in f.idx
-            if has_i == has_j:
-                raise Reject("a decay exponent term is not indexed by exactly one time axis")
-            side = "i" if has_i else "j"
-            key = (f.atom.node, tuple("t" if x in (r.i, r.j) else x for x in f.idx))
-            by_key.setdefault(key, {}).setdefault(side, 0.0)
-            by_key[key][side] += c
+        if len(fs) == 1 and atoms and not atoms[0].atom.fixed and not set(times) & factor_vars(atoms[0]):
+            ex.consts.append((c, None, atoms[0]))
+        elif len(fs) == 1 and atoms:
+            ex.uses.append(_use(an, c, atoms[0], times, letter, T))
         elif len(consts) == 1 and len(atoms) <= 1 and len(fs) == len(consts) + len(atoms):
-            const_terms.append((c, consts[0], atoms[0] if atoms else None))
+            ex.consts.append((c, consts[0], atoms[0] if atoms else None))
         else:
             raise Reject("the decay exponent is not a difference of cumulative log-gates")
-    if by_key and const_terms:
+    if ex.uses and ex.consts:
         raise Reject("the decay mixes data-dependent and constant gates")
-    if const_terms:
-        return _constant_gate(an, const_terms, r, letter)
-    terms = []
-    vector = False
-    for (g_node, idx), sides in by_key.items():
-        ci, cj = sides.get("i", 0.0), sides.get("j", 0.0)
-        if ci != -cj or ci == 0:
-            raise Reject("the decay exponent is not of the form G_i - G_j")
-        src, axis = _cumsum_source(g_node)
-        t_axis = idx.index("t")
-        if src is None or axis % len(idx) != t_axis:
-            raise Reject("the decay is not built from a cumulative sum over time")
-        letters = "".join("t" if x == "t" else ("1" if x is None else letter.get(x, "?")) for x in idx)
-        if "?" in letters:
+    return ex
+
+
+def _expanded(an: Analyzer, inner: list, depth: int = 0):
+    """The terms of an exponent, reading through sums it holds as atoms: the algebra cuts a
+    sum that is multiplied or subtracted (E = G - g in exp(E_j - E_i)) into one atom."""
+    for c, fs in inner:
+        sub = _sum_terms(an, fs[0]) if depth < 3 and len(fs) == 1 and fs[0].kind == "atom" else None
+        if sub is None:
+            yield c, fs
+        else:
+            yield from _expanded(an, [(c * c2, fs2) for c2, fs2 in sub], depth + 1)
+
+
+def _sum_terms(an: Analyzer, f: Factor) -> Optional[list]:
+    """The monomials of the sum an atom stands for, in the atom's variables; None unless it is
+    a linear form (no contraction, no exp) of its own output."""
+    av = an.value(f.atom.node)
+    if f.atom.fixed or av is None or av.keep is not None or len(av.terms) < 2 or len(av.out) != len(f.idx):
+        return None
+    mp = {}
+    for e, x in zip(av.out, f.idx):
+        if (e is None) != (x is None) or type(e) is tuple or type(x) is tuple:
+            return None
+        if e is not None:
+            mp[e] = x
+    if any(not mono_vars(m) <= set(mp) or any(g.kind == "exp" for g in m[1]) for m in av.terms):
+        return None
+    return [_sub_mono(m, mp) for m in av.terms]
+
+
+def _use(an: Analyzer, c: float, f: Factor, times: dict, letter: dict, T: int) -> Use:
+    node = f.atom.node
+    src, dim, kind = _cumulative(an, node)
+    rank = _rank(node)
+    free, fixed = f.atom.free_axes(), dict(f.atom.fixed)
+    pos, letters = None, ""
+    for axis in range(rank):
+        if axis in fixed:
+            if kind == "raw" or axis != dim:
+                raise Reject("the decay exponent indexes a gate at an integer position")
+            pos, letters = _end(fixed[axis], T), letters + "t"
+            continue
+        x = f.idx[free.index(axis)]
+        if x in times:
+            if pos is not None:
+                raise Reject("a decay exponent term is not indexed by exactly one time axis")
+            if kind != "raw" and axis != dim:
+                raise Reject("the decay is not built from a cumulative sum over time")
+            pos, letters = times[x], letters + "t"
+        elif x is None:
+            letters += "1"
+        elif x in letter:
+            letters += letter[x]
+        else:
             raise Reject("the gate is indexed by an unknown axis")
-        vector |= "k" in letters
-        terms.append((ci, LFactor(src, letters)))
-    return Gate("vector" if vector else "scalar", terms)
+    if pos is None:
+        raise Reject("a decay exponent term is not indexed by a time axis")
+    return Use(c, (src, letters), kind, pos)
 
 
-def _cumsum_source(node: fx.Node):
-    if node.op == "call_function" and node.target is torch.cumsum:
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        return node.args[0], dim
-    if node.op == "call_method" and node.target == "cumsum":
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        return node.args[0], dim
-    return None, None
+def _end(index: int, T: int) -> str:
+    if T >= 2 and index == T - 1:
+        return "last"
+    if T >= 2 and index == 0:
+        return "first"
+    raise Reject("the decay exponent reads the gate at a step other than the first or last")
 
 
-def _constant_gate(an: Analyzer, const_terms, r: Roles, letter: dict) -> Gate:
-    """exp(c * C[i, j] * gamma[h]) with C = (i - j) * lam on the causal triangle."""
-    terms = []
-    for c, cf, atom in const_terms:
-        val = an.consts.evaluate(cf.node)
-        if val is None or not factor_vars(cf) <= {r.i, r.j}:
-            raise Reject("the constant decay exponent could not be evaluated")
-        axes = list(cf.idx)
-        val = val.float().reshape([s for s, x in zip(val.shape, axes) if x is not None])
-        axes = [x for x in axes if x is not None]
-        if axes == [r.j, r.i]:
-            val = val.T
-        if axes not in ([r.i, r.j], [r.j, r.i]) or val.shape[0] < 2:
+def _cumulative(an: Analyzer, node: fx.Node) -> tuple:
+    """(s, time axis, "fwd") for cumsum(s), (s, axis, "rev") for flip(cumsum(flip(s))) along
+    one axis, else (node, None, "raw"); each step reading its input unmodified."""
+    d = _cumsum_dim(node)
+    if d is not None and _fresh(an, node):
+        return node.args[0], d, "fwd"
+    d = _flip_dim(node)
+    cs = node.args[0] if d is not None else None
+    if isinstance(cs, fx.Node) and _cumsum_dim(cs) == d and _fresh(an, node) and _fresh(an, cs):
+        inner = cs.args[0]
+        if _flip_dim(inner) == d and isinstance(inner.args[0], fx.Node) and _fresh(an, inner):
+            return inner.args[0], d, "rev"
+    return node, None, "raw"
+
+
+def _fresh(an: Analyzer, node: fx.Node) -> bool:
+    """Whether `node` reads its first argument as that argument was computed."""
+    x = node.args[0]
+    return isinstance(x, fx.Node) and an.versions.get((node, x), x) is x
+
+
+def _cumsum_dim(node: fx.Node) -> Optional[int]:
+    if not (node.op == "call_function" and node.target is torch.cumsum or node.op == "call_method" and node.target == "cumsum"):
+        return None
+    if not isinstance(node.args[0], fx.Node) or node.kwargs.get("dtype") is not None:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return dim % _rank(node) if isinstance(dim, int) else None
+
+
+def _flip_dim(node) -> Optional[int]:
+    if not isinstance(node, fx.Node) or not (node.op == "call_function" and node.target is torch.flip or node.op == "call_method" and node.target == "flip"):
+        return None
+    dims = node.args[1:] if len(node.args) > 1 else (node.kwargs.get("dims"),)
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = tuple(dims[0])
+    if len(dims) != 1 or not isinstance(dims[0], int):
+        return None
+    return dims[0] % _rank(node)
+
+
+# Which steps u the recurrence decays over, for each kind of exponent.
+def _pair_window(reverse: bool):
+    """The decay from step j to step i (with i >= j, or j >= i reversed)."""
+    if reverse:
+        return lambda at, u: at["i"] <= u < at["j"]
+    return lambda at, u: at["j"] < u <= at["i"]
+
+
+def _start_window(reverse: bool):
+    """The decay of the initial state to step i."""
+    return (lambda at, u: u >= at["i"]) if reverse else (lambda at, u: u <= at["i"])
+
+
+def _final_window(reverse: bool):
+    """The decay from step j to the end of the sequence (its first step, reversed)."""
+    return (lambda at, u: u < at["j"]) if reverse else (lambda at, u: u > at["j"])
+
+
+def _all_steps(at, u) -> bool:
+    return True
+
+
+def _points(positions: set, reverse: bool, pair: bool):
+    """Every assignment of the positions on ORDER_STEPS steps (i, j on the mask's triangle)."""
+    n = ORDER_STEPS
+    free = sorted(p for p in positions if p in ("i", "j"))
+    for values in itertools.product(range(n), repeat=len(free)):
+        at = dict(zip(free, values), first=0, last=n - 1)
+        if pair and (at["j"] < at["i"] if reverse else at["i"] < at["j"]):
+            continue
+        yield at
+
+
+def _indicator(use: Use, at: dict, u: int) -> bool:
+    t = at[use.pos]
+    return {"fwd": u <= t, "rev": u >= t, "raw": u == t}[use.kind]
+
+
+def _weights_hold(uses: list, weights: dict, window, positions: set, reverse: bool, pair: bool) -> bool:
+    """Whether sum over uses of coef * X[pos] = sum_{u in window} weights[source] * s_u."""
+    sources = set(weights) | {x.source for x in uses}
+    for at in _points(positions, reverse, pair):
+        for u in range(ORDER_STEPS):
+            for s in sources:
+                got = sum(x.coef for x in uses if x.source == s and _indicator(x, at, u))
+                want = weights.get(s, 0.0) if window(at, u) else 0.0
+                if not math.isclose(got, want, rel_tol=COEF_RTOL, abs_tol=COEF_RTOL):
+                    return False
+    return True
+
+
+def _gate(an: Analyzer, exps: list, r: Roles, letter: dict, reverse: bool, T: int) -> Gate:
+    ex = _exponent(an, exps, {r.i: "i", r.j: "j"}, letter, T)
+    if ex.consts:
+        return _constant_gate(an, ex.consts, r, letter, reverse)
+    if not ex.uses:
+        return Gate("none", [])
+    # each source's weight, read where the window holds exactly one step
+    at = {"i": 0, "j": 1} if reverse else {"i": 1, "j": 0}
+    at.update(first=0, last=ORDER_STEPS - 1)
+    u = 0 if reverse else 1
+    weights = {}
+    for x in ex.uses:
+        weights[x.source] = weights.get(x.source, 0.0) + (x.coef if _indicator(x, at, u) else 0.0)
+    if not _weights_hold(ex.uses, weights, _pair_window(reverse), {"i", "j"}, reverse, pair=True):
+        raise Reject("the decay exponent is not of the form G_i - G_j of a cumulative sum over time")
+    weights = {s: c for s, c in weights.items() if abs(c) > COEF_RTOL}
+    if not weights:
+        return Gate("none", [])
+    terms = [(c, LFactor(node, letters)) for (node, letters), c in weights.items()]
+    kind = "vector" if any("k" in letters for _, letters in weights) else "scalar"
+    reads = [x.source[0] for x in ex.uses] + [f.atom.node for f in _atoms(exps)]
+    return Gate(kind, terms, weights, reads)
+
+
+def _atoms(factors: list) -> list:
+    return [g for f in factors for _, gs in f.inner for g in gs if g.kind == "atom"]
+
+
+def _constant_gate(an: Analyzer, const_terms: list, r: Roles, letter: dict, reverse: bool) -> Gate:
+    """exp(c * C[i, j] * gamma[h]) with C = lambda (i - j) on the triangle (j - i reversed)."""
+    totals = _constant_totals(an, const_terms, r.batch, letter, [r.i, r.j])
+    weights = {}
+    for key, C in totals.items():
+        if C.shape[0] < 2:
             raise Reject("the constant decay exponent is not a [T, T] matrix")
-        n = torch.arange(val.shape[0])
-        diff = (n[:, None] - n[None, :]).float()
-        lam = float(val[1, 0])
-        tri = diff >= 0
-        if not torch.allclose(val[tri], diff[tri] * lam, rtol=1e-6, atol=1e-6):
+        n = torch.arange(C.shape[0], dtype=torch.float64)
+        steps = (n[None, :] - n[:, None]) if reverse else (n[:, None] - n[None, :])
+        lam = float(C[0, 1] if reverse else C[1, 0])
+        tri = steps >= 0
+        if not torch.allclose(C[tri], steps[tri] * lam, rtol=1e-6, atol=1e-6):
             raise Reject("the constant decay exponent is not proportional to i - j")
+        weights[key] = lam
+    terms = [(lam, LFactor(node, letters)) for (node, letters), lam in weights.items()]
+    return Gate("constant", terms, weights, [node for node, _ in weights])
+
+
+def _constant_totals(an: Analyzer, const_terms: list, batch: list, letter: dict, axes: list) -> dict:
+    """(gamma node, letters) -> the sum of c * C over its terms, as a float64 tensor over `axes`
+    (C = 1 where a term has no constant)."""
+    totals: dict = {}
+    for c, cf, atom in const_terms:
         if atom is None:
             raise Reject("a decay fixed at trace time is not supported yet")
-        if atom.atom.fixed or not set(factor_vars(atom)) <= set(r.batch):
+        if atom.atom.fixed or not set(factor_vars(atom)) <= set(batch):
             raise Reject("the constant gate depends on more than the head")
         letters = "".join("1" if x is None else letter[x] for x in atom.idx)
-        if "b" in letters and len(r.batch) == 2:
+        if "b" in letters:
             raise Reject("the constant gate depends on the batch")
-        terms.append((c * lam, LFactor(atom.atom.node, letters.replace("b", "h") if len(r.batch) == 1 else letters)))
-    return Gate("constant", terms)
+        val = an.consts.evaluate(cf.node) if cf is not None else torch.ones(())
+        if val is None or cf is not None and not factor_vars(cf) <= set(axes):
+            raise Reject("the constant decay exponent could not be evaluated")
+        C = _const_over(val.double(), cf.idx if cf is not None else (), axes, an)
+        key = (atom.atom.node, letters)
+        totals[key] = totals[key] + c * C if key in totals else c * C
+    return totals
 
 
-def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float, scalars: list) -> Match:
+def _const_over(val: torch.Tensor, idx: tuple, axes: list, an: Analyzer) -> torch.Tensor:
+    """A constant indexed by some of `axes` (vars), as a tensor over all of them."""
+    present = [x for x in idx if x is not None]
+    val = val.reshape([s for s, x in zip(val.shape, idx) if x is not None])
+    val = val.permute([present.index(x) for x in axes if x in present]) if present else val
+    shape = [int(_hint(an.sizes[x])) for x in axes]
+    for p, x in enumerate(axes):
+        if x not in present:
+            val = val.unsqueeze(p)
+    return val.expand(shape)
+
+
+# ---- the initial state ------------------------------------------------------------------------
+def _initial_state(an: Analyzer, cand: Candidate, r: Roles, letter: dict, gate: Gate, reverse: bool,
+                   T: int, scalars: list) -> LFactor:
+    """h0 of the term scale * q_i exp(G_i) h0: the same q and scale as the parallel term, the
+    decay of the initial state to each step (from the start, or from the end reversed)."""
+    coef, fs = cand.h0
+    if not math.isclose(coef, cand.par[0], rel_tol=COEF_RTOL):
+        raise Reject("the initial-state term is scaled differently from the attention")
+    if sorted(f.node.name for f in fs if f.kind == "scalar") != sorted(f.node.name for f in scalars):
+        raise Reject("the initial-state term is scaled differently from the attention")
+    kx = next(iter(mono_vars(cand.h0) - out_vars(cand.av.out)))
+    atoms = [f for f in fs if f.kind == "atom"]
+    q_idx = tuple(_subst(e, r.kk, kx) for e in r.q.idx)
+    qs = [f for f in atoms if f.atom == r.q.atom and f.idx == q_idx]
+    if len(qs) != 1:
+        raise Reject("the initial-state term does not read the attention's q")
+    h0 = next(f for f in atoms if f is not qs[0])
+    hl = {**letter, kx: "k"}
+    exps = [f for f in fs if f.kind == "exp"]
+    if any(f.kind not in ("atom", "exp", "scalar") for f in fs):
+        raise Reject("the initial-state term has a factor other than q, the state and a decay")
+    if not {kx, r.vv} <= set(_comps_all(h0.idx)) <= set(r.batch) | {kx, r.vv}:
+        raise Reject("the initial state is indexed by the wrong axes")
+    _check_decay(an, exps, {r.i: "i"}, hl, gate, _start_window(reverse), reverse, T, [r.i],
+                 lambda n: (n.flip(0) + 1) if reverse else n + 1)
+    return _role_lfactor(an, h0, hl)
+
+
+def _comps_all(idx: tuple) -> list:
+    return [c for e in idx for c in comps(e)]
+
+
+def _subst(entry, a, b):
+    if entry == a:
+        return b
+    if type(entry) is tuple:
+        return tuple(b if c == a else c for c in entry)
+    return entry
+
+
+def _check_decay(an: Analyzer, exps: list, times: dict, letter: dict, gate: Gate, window, reverse: bool,
+                 T: int, axes: list, steps) -> None:
+    """The exponent of `exps` is the gate summed over `window`; for a constant gate, C * gamma
+    with C = lambda * steps(arange over the one time axis)."""
+    ex = _exponent(an, exps, times, letter, T)
+    if gate.kind == "constant":
+        batch = [x for x in letter if letter[x] in ("b", "h")]
+        totals = _constant_totals(an, ex.consts, batch, letter, axes) if ex.consts else {}
+        if ex.uses or set(totals) != set(gate.weights):
+            raise Reject("the decay of the state does not match the attention's")
+        for key, C in totals.items():
+            n = torch.arange(C.shape[0] if C.dim() else 1, dtype=torch.float64)
+            if not torch.allclose(C, gate.weights[key] * steps(n), rtol=1e-6, atol=1e-6):
+                raise Reject("the decay of the state does not match the attention's")
+        return
+    if ex.consts or not _weights_hold(ex.uses, gate.weights, window, set(times.values()), reverse, pair=False):
+        raise Reject("the decay of the state does not match the attention's")
+
+
+def _role_lfactor(an: Analyzer, f: Factor, letter: dict) -> LFactor:
+    def axis(x):
+        if x is None:
+            return "1", (1,)
+        cs = comps(x)
+        if any(c not in letter for c in cs):
+            raise Reject("an input is indexed by an axis that is not a role")
+        return "".join(letter[c] for c in cs), tuple(an.sizes[c] for c in cs)
+
+    return _lfactor(f.atom.node, f.atom.fixed, [axis(x) for x in f.idx])
+
+
+# ---- the final state --------------------------------------------------------------------------
+@dataclass
+class Final:
+    node: fx.Node
+    groups: list  # role letters of each axis
+    coef: float
+
+
+def _final_state(an: Analyzer, node: fx.Node, r: Roles, letter: dict, gate: Gate, reverse: bool, T: int,
+                 h0: Optional[LFactor]) -> list:
+    """The values that equal the op's final state (times a number): sum_j of k_j v_j under
+    the decay from j to the end (plus the initial state's share)."""
+    found = []
+    for n in _state_candidates(an).get(frozenset((r.k.atom, r.v.atom)), []):
+        if n is node or an.written_between(n, an.order[n] + 1, len(an.nodes)):
+            continue  # a state written in place later: its views would not see the op's
+        try:
+            found.append(_final_of(an, n, r, letter, gate, reverse, T, h0))
+        except Reject:
+            continue
+    return found
+
+
+def _state_candidates(an: Analyzer) -> dict:
+    """{k atom, v atom} -> values with a monomial of those two inputs summed over one axis."""
+    if "parallel_states" not in an.memo:
+        index: dict = {}
+        for n in an.nodes:
+            av = an.value(n)
+            if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2:
+                continue
+            ov = out_vars(av.out)
+            for m in av.terms:
+                atoms = [f.atom for f in m[1] if f.kind == "atom"]
+                if len(atoms) == 2 and len(mono_vars(m) - ov) == 1:
+                    index.setdefault(frozenset(atoms), []).append(n)
+        an.memo["parallel_states"] = index
+    return an.memo["parallel_states"]
+
+
+def _final_of(an: Analyzer, n: fx.Node, r: Roles, ref_letter: dict, gate: Gate, reverse: bool, T: int, h0) -> Final:
+    av = an.value(n)
+    ov = out_vars(av.out)
+    kv = [m for m in av.terms if len(mono_vars(m) - ov) == 1]
+    rest = [m for m in av.terms if m not in kv]
+    if len(kv) != 1 or len(rest) != (h0 is not None):
+        raise Reject("not the final state")
+    coef, fs = kv[0]
+    j = next(iter(mono_vars(kv[0]) - ov))
+    letter = {j: "t"}
+    for f, pf in ((_the(fs, r.k.atom), r.k), (_the(fs, r.v.atom), r.v)):
+        _align(f.idx, pf.idx, {r.j: "t", **ref_letter}, letter)
+    if any(f.kind not in ("atom", "exp") for f in fs) or T < 2:
+        raise Reject("not the final state")
+    state_letter = {x: c for x, c in letter.items() if c != "t"}
+    _check_decay(an, [f for f in fs if f.kind == "exp"], {j: "j"}, state_letter, gate, _final_window(reverse),
+                 reverse, T, [j], lambda n: n if reverse else (n.flip(0)))
+    if rest:
+        _final_h0(an, rest[0], coef, state_letter, gate, reverse, T, h0)
+    groups = []
+    for e in av.out:
+        cs = comps(e)
+        if any(c not in state_letter for c in cs):
+            raise Reject("the final state keeps an axis that is not a role")
+        groups.append("".join(state_letter[c] for c in cs) or "1")
+    if not {"k", "v"} <= set("".join(groups)):
+        raise Reject("the final state does not keep K and V")
+    return Final(n, groups, coef)
+
+
+def _the(fs: tuple, atom) -> Factor:
+    found = [f for f in fs if f.kind == "atom" and f.atom == atom]
+    if len(found) != 1:
+        raise Reject("not the final state")
+    return found[0]
+
+
+def _align(idx: tuple, ref: tuple, ref_letter: dict, letter: dict) -> None:
+    """Name the variables of `idx` by the role letters of the reference index, axis by axis."""
+    if len(idx) != len(ref):
+        raise Reject("not the final state")
+    for e, er in zip(idx, ref):
+        cs, crs = comps(e), comps(er)
+        if len(cs) != len(crs):
+            raise Reject("the final state splits an axis differently")
+        for c, cr in zip(cs, crs):
+            want = ref_letter.get(cr)
+            if want is None or letter.setdefault(c, want) != want:
+                raise Reject("the final state is indexed differently from the attention")
+
+
+def _final_h0(an: Analyzer, m, coef: float, letter: dict, gate: Gate, reverse: bool, T: int, h0: LFactor) -> None:
+    """The initial state's share of the final state: h0 decayed over every step."""
+    c, fs = m
+    atoms = [f for f in fs if f.kind == "atom"]
+    if len(atoms) != 1 or atoms[0].atom.node is not h0.node or not math.isclose(c, coef, rel_tol=COEF_RTOL):
+        raise Reject("not the final state")
+    if _role_lfactor(an, atoms[0], letter) != h0 or any(f.kind not in ("atom", "exp") for f in fs):
+        raise Reject("not the final state")
+    _check_decay(an, [f for f in fs if f.kind == "exp"], {}, letter, gate, _all_steps, reverse, T, [],
+                 lambda n: torch.tensor(float(T), dtype=torch.float64))
+
+
+# ---- the replacement ----------------------------------------------------------------------------
+def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float, scalars: list,
+           h0: Optional[LFactor], finals: list, reverse: bool) -> Match:
     def axis(x, tvar) -> tuple:
         """(letters, sizes) of one axis: several letters where the code merged roles (a [B, T, H * K]
         projection viewed as [B, T, H, K] is read through the view, merged)."""
@@ -353,18 +784,34 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
     if not all(c in sizes for c in "tkv"):
         raise Reject("the sizes of the inputs could not be read")
     shapes = {c.upper(): _shape_of(sizes[c]) for c in "bthkv"}
+    scalar_lfs = [LFactor(f.node, "") for f in scalars]
+    anchor = min([node] + [f.node for f in finals], key=an.order.__getitem__)
+    deps = [x.node for x in (q, k, v, h0) if x is not None] + [x.node for x in scalar_lfs]
+    deps += [lfac.node for _, lfac in gate.terms] + list(gate.reads)
+    late = [d.name for d in deps if an.order[d] >= an.order[anchor]]
+    if late:
+        raise Reject(f"inputs {late} are computed after the output is used")
+    placement.check_unmodified(an, deps, an.order[anchor])
 
     def apply(txn) -> None:
-        em = Emitter(txn, node, sizes)
-        qn = em.lift(Group(1.0, (q, *scalars)), "bthk")
+        em = Emitter(txn, anchor, sizes)
+        qn = em.lift(Group(1.0, (q, *scalar_lfs)), "bthk")
         kn = em.lift(Group(1.0, (k,)), "bthk")
         vn = em.lift(Group(1.0, (v,)), "bthv")
         g, g_gamma = _emit_gate(em, gate)
-        op = em.call(torch.ops.gla_inductor.chunk_fwd.default, qn, kn, vn, g, g_gamma, None, float(coef), False, False)
+        h0n = em.as_float32(em.lift(Group(1.0, (h0,)), "bhkv")) if h0 is not None else None
+        op = em.call(torch.ops.gla_inductor.chunk_fwd.default, qn, kn, vn, g, g_gamma, h0n, float(coef),
+                     bool(finals), reverse)
         o = em.call(operator.getitem, op, 0)
         txn.replace_all_uses(node, _cast(em, em.relayout(o, "bthv", out_letters), node))
+        for f in finals:
+            ht = em.relayout(em.call(operator.getitem, op, 1), "bhkv", f.groups)
+            if f.coef != 1.0:
+                ht = em.call(torch.mul, ht, f.coef)
+            txn.replace_all_uses(f.node, _cast(em, ht, f.node))
 
-    return Match("parallel", gate.kind, q.letters, shapes, [node], apply, {"scale": coef})
+    options = {"scale": coef, "reverse": reverse, "initial_state": h0 is not None, "final_state": bool(finals)}
+    return Match("parallel", gate.kind, q.letters, shapes, [node] + [f.node for f in finals], apply, options)
 
 
 def _shape_of(s):

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .algebra import Analyzer, op_name, storage_root
-from .consts import example_value, is_inplace
+from .algebra import Analyzer, op_name
+from .consts import example_value
 from .match import Reject
 
 
@@ -64,13 +64,9 @@ def plan(an: Analyzer, states: list, reads: dict, asm, deps: list, prev: Optiona
     late = [d.name for d in deps if an.order[d] >= an.order[anchor]]
     if late:
         raise Reject(f"inputs {late} are computed after the output is used")
-    start = min(an.order[s] for s in states)
-    check_unmodified(an, deps, start, an.order[anchor])
+    check_unmodified(an, deps, an.order[anchor])
     if asm.kind == "setitem":
-        writes = set(asm.setitems)
-        early = [u for u in asm.result.users if u not in writes and an.order[u] < an.order[anchor]]
-        if early:
-            raise Reject("the output buffer is read before it is filled")
+        check_buffer(an, asm.result, asm.setitems, anchor)
     wb = _write_back(an, last, internal, prev, anchor)
     needs_grad = any(requires_grad(d) for d in deps)
     overwritten = prev is not None and written_after(an, prev, anchor)
@@ -79,6 +75,44 @@ def plan(an: Analyzer, states: list, reads: dict, asm, deps: list, prev: Optiona
         # which the write-back then overwrites. Decoding is inference: run it under no_grad.
         raise Reject("the initial state is overwritten in place while gradients are needed")
     return Plan(anchor, wb, needs_grad)
+
+
+def check_buffer(an: Analyzer, buf: fx.Node, setitems: list, anchor: fx.Node) -> None:
+    """The rewrite drops the writes that fill `buf` and points the users of `buf` after the op
+    at the op's output. So nothing else may see the buffer's memory: no read of it before the
+    op, and no alias of it (a view it was taken from, a view taken before) but `buf` itself,
+    its writes, and what is computed from `buf` after the op."""
+    writes = set(setitems)
+    if any(u not in writes and an.order[u] < an.order[anchor] for u in buf.users):
+        raise Reject("the output buffer is read before it is filled")
+    k = an.key(buf)
+    private = _private_sources(an, buf, k)
+    for n in an.aliases(buf):
+        if n is buf or n in writes or n in private:
+            continue
+        if an.order[n] < an.order[anchor] or not _derived_from(an, n, buf, k):
+            raise Reject("the output buffer shares its memory with another tensor")
+
+
+def _private_sources(an: Analyzer, buf: fx.Node, k) -> set:
+    """The tensors `buf` is a view of that nothing else reads (`torch.zeros(...).transpose(1, 2)`)."""
+    res, node = set(), buf
+    while True:
+        parents = [x for x in node.all_input_nodes if an.key(x) == k]
+        if len(parents) != 1 or list(parents[0].users) != [node]:
+            return res
+        node = parents[0]
+        res.add(node)
+
+
+def _derived_from(an: Analyzer, node: fx.Node, buf: fx.Node, k) -> bool:
+    """Whether `node` is computed from `buf` through nodes that alias it (views, in-place ops)."""
+    while node is not buf:
+        parents = [x for x in node.all_input_nodes if an.key(x) == k]
+        if len(parents) != 1:
+            return False
+        node = parents[0]
+    return True
 
 
 def _read_path(an: Analyzer, read: fx.Node, state: fx.Node) -> set:
@@ -93,27 +127,17 @@ def _read_path(an: Analyzer, read: fx.Node, state: fx.Node) -> set:
     return path
 
 
-def check_unmodified(an: Analyzer, deps: list, start: int, stop: int) -> None:
-    roots = {storage_root(d) for d in deps}
-    for n in _inplace_nodes(an):
-        if start <= an.order[n] < stop and n.args and isinstance(n.args[0], fx.Node):
-            if storage_root(n.args[0]) in roots:
-                raise Reject("an input of the recurrence is modified in place before its result is used")
+def check_unmodified(an: Analyzer, deps: list, stop: int) -> None:
+    """The op reads its inputs at position `stop`; the code read each where it was computed
+    (a read after an in-place write is opaque to the algebra, and a value copied into a cache
+    is read through the copy). No input may be written in place in between, through any alias."""
+    for d in deps:
+        if an.written_between(d, an.order[d] + 1, stop):
+            raise Reject("an input of the recurrence is modified in place before its result is used")
 
 
 def written_after(an: Analyzer, node: fx.Node, anchor: fx.Node) -> bool:
-    root = storage_root(node)
-    return any(
-        an.order[n] >= an.order[anchor] and isinstance(n.args[0], fx.Node) and storage_root(n.args[0]) is root
-        for n in _inplace_nodes(an)
-        if n.args
-    )
-
-
-def _inplace_nodes(an: Analyzer) -> list:
-    if "inplace" not in an.memo:
-        an.memo["inplace"] = [n for n in an.graph.nodes if is_inplace(n)]
-    return an.memo["inplace"]
+    return bool(an.written_between(node, an.order[anchor], len(an.nodes)))
 
 
 def requires_grad(node: fx.Node) -> bool:
@@ -144,7 +168,7 @@ def _write_back(an: Analyzer, last: fx.Node, internal: set, prev: Optional[fx.No
     if len(writes) != 1 or writes[0].users:
         return None
     w = writes[0]
-    if any(_reads(n, prev) for n in _between(an, anchor, w) if n not in casts):
+    if any(_reads(an, n, prev) for n in _between(an, anchor, w) if n not in casts):
         return None
     return WriteBack(w, prev)
 
@@ -165,8 +189,9 @@ def _between(an: Analyzer, a: fx.Node, b: fx.Node) -> list:
     return an.nodes[an.order[a] : an.order[b]]
 
 
-def _reads(node: fx.Node, target: fx.Node) -> bool:
-    return any(storage_root(x) is target for x in node.all_input_nodes)
+def _reads(an: Analyzer, node: fx.Node, target: fx.Node) -> bool:
+    k = an.key(target)
+    return any(an.key(x) == k for x in node.all_input_nodes)
 
 
 def fused_recurrent_op():

@@ -1,0 +1,304 @@
+"""The parallel form with its states and in reverse: the anti-causal form (a triu mask, the
+decay from a reverse cumsum) becomes chunk_fwd(reverse=True); a term q_i exp(G_i) h0 added to the
+output becomes the op's initial state; a separate value sum_j exp(G_T - G_j) k_j^T v_j (+ exp(G_T)
+h0) becomes its final state. Each program is rewritten once, with those options, and matches
+float64 eager in value and in every gradient. Near misses (the decay against the mask's direction,
+a mask or a state term one step off) keep the code that is not GLA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import gla_inductor
+from gla_inductor.backend import rewrite
+
+B, H, T, K, V = 2, 3, 6, 4, 5
+FP32_TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh(one_thread):
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+
+
+def inputs(gate: str, h0: bool = False) -> list:
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(B, H, T, K, generator=gen), torch.randn(B, H, T, K, generator=gen)
+    v = torch.randn(B, H, T, V, generator=gen)
+    shape = {"vector": (B, H, T, K), "scalar": (B, H, T), "constant": (H,)}.get(gate)
+    args = [q, k, v] + ([F.logsigmoid(torch.randn(shape, generator=gen) + 1)] if shape else [])
+    return args + ([torch.randn(B, H, K, V, generator=gen)] if h0 else [])
+
+
+def rcumsum(g, dim):
+    return g.flip(dim).cumsum(dim).flip(dim)
+
+
+# ---- reverse ----------------------------------------------------------------------------------
+def reverse_scalar(q, k, v, g):
+    G = rcumsum(g, -1)
+    D = (G[..., :, None] - G[..., None, :]).exp().triu()
+    return ((q @ k.transpose(-1, -2)) * D) @ v * 0.5
+
+
+def reverse_vector_pairwise(q, k, v, g):
+    G = rcumsum(g, 2)
+    M = torch.ones(T, T, dtype=torch.bool).triu()
+    diff = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~M[:, :, None], float("-inf"))
+    return (q[:, :, :, None, :] * k[:, :, None, :, :] * diff.exp()).sum(-1) @ v
+
+
+def reverse_vector_factored(q, k, v, g):
+    G = torch.flip(torch.cumsum(torch.flip(g, [2]), 2), [2])
+    return ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).triu() @ v
+
+
+def reverse_constant(q, k, v, g_gamma):
+    i = torch.arange(T)
+    D = torch.exp((i[None, :] - i[:, None]) * g_gamma[:, None, None]) * (i[None, :] >= i[:, None])
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+def reverse_no_gate(q, k, v):
+    return torch.einsum("bhij,bhjv->bhiv", torch.einsum("bhik,bhjk->bhij", q, k).triu(), v)
+
+
+def reverse_exclusive_forward_cumsum(q, k, v, g):
+    """The reverse decay exp(E_j - E_i) from a forward exclusive cumsum E = G - g."""
+    E = g.cumsum(-1) - g
+    D = (E[..., None, :] - E[..., :, None]).exp().triu()
+    return ((q @ k.transpose(-1, -2)) * D) @ v
+
+
+# ---- initial state ------------------------------------------------------------------------------
+def h0_scalar(q, k, v, g, h0):
+    G = g.cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).exp().tril()
+    return (((q @ k.transpose(-1, -2)) * D) @ v + G.exp()[..., None] * (q @ h0)) * K**-0.5
+
+
+def h0_vector(q, k, v, g, h0):
+    G = g.cumsum(2)
+    A = ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).tril()
+    return A @ v + torch.einsum("bhtk,bhkv->bhtv", q * G.exp(), h0)
+
+
+def h0_constant(q, k, v, g_gamma, h0):
+    i = torch.arange(T)
+    D = torch.exp((i[:, None] - i[None, :]) * g_gamma[:, None, None]) * (i[:, None] >= i[None, :])
+    return ((q @ k.transpose(-1, -2)) * D) @ v + (q * ((i + 1)[:, None] * g_gamma[:, None, None]).exp()) @ h0
+
+
+def h0_no_gate(q, k, v, h0):
+    return (q @ k.transpose(-1, -2)).tril() @ v + q @ h0
+
+
+def h0_reverse_constant(q, k, v, g_gamma, h0):
+    i = torch.arange(T)
+    D = torch.exp((i[None, :] - i[:, None]) * g_gamma[:, None, None]) * (i[None, :] >= i[:, None])
+    return ((q @ k.transpose(-1, -2)) * D) @ v + (q * ((T - i)[:, None] * g_gamma[:, None, None]).exp()) @ h0
+
+
+# ---- final state --------------------------------------------------------------------------------
+def final_scalar(q, k, v, g, h0):
+    G = g.cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).exp().tril()
+    o = ((q @ k.transpose(-1, -2)) * D) @ v + (q * G.exp()[..., None]) @ h0
+    last = G[..., -1:]
+    S = (k * (last - G).exp()[..., None]).transpose(-1, -2) @ v + last.exp()[..., None] * h0
+    return o, S
+
+
+def final_vector_no_h0(q, k, v, g):
+    G = g.cumsum(2)
+    A = ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).tril()
+    return A @ v, torch.einsum("bhtk,bhtv->bhkv", k * (G[:, :, -1:] - G).exp(), v)
+
+
+def final_reverse_vector(q, k, v, g, h0):
+    G = rcumsum(g, 2)
+    o = ((q * G.exp()) @ (k * (-G).exp()).transpose(-1, -2)).triu() @ v + (q * G.exp()) @ h0
+    S = torch.einsum("bhtk,bhtv->bhkv", k * (G[:, :, :1] - G).exp(), v) + G[:, :, 0, :, None].exp() * h0
+    return o, S
+
+
+def final_constant(q, k, v, g_gamma, h0):
+    i = torch.arange(T)
+    D = torch.exp((i[:, None] - i[None, :]) * g_gamma[:, None, None]) * (i[:, None] >= i[None, :])
+    o = ((q @ k.transpose(-1, -2)) * D) @ v + (q * ((i + 1)[:, None] * g_gamma[:, None, None]).exp()) @ h0
+    S = (k * ((T - 1 - i)[:, None] * g_gamma[:, None, None]).exp()).transpose(-1, -2) @ v
+    return o, S + (T * g_gamma).exp()[:, None, None] * h0
+
+
+# name -> (fn, gate, h0, options of the rewrite)
+GLA = {
+    f.__name__: (f, gate, h0, opts) for f, gate, h0, opts in [
+        (reverse_scalar, "scalar", False, {"reverse": True}),
+        (reverse_vector_pairwise, "vector", False, {"reverse": True}),
+        (reverse_vector_factored, "vector", False, {"reverse": True}),
+        (reverse_constant, "constant", False, {"reverse": True}),
+        (reverse_no_gate, "none", False, {"reverse": True}),
+        (reverse_exclusive_forward_cumsum, "scalar", False, {"reverse": True}),
+        (h0_scalar, "scalar", True, {"reverse": False, "initial_state": True}),
+        (h0_vector, "vector", True, {"initial_state": True}),
+        (h0_constant, "constant", True, {"initial_state": True}),
+        (h0_no_gate, "none", True, {"initial_state": True}),
+        (h0_reverse_constant, "constant", True, {"reverse": True, "initial_state": True}),
+        (final_scalar, "scalar", True, {"initial_state": True, "final_state": True}),
+        (final_vector_no_h0, "vector", False, {"initial_state": False, "final_state": True}),
+        (final_reverse_vector, "vector", True, {"reverse": True, "initial_state": True, "final_state": True}),
+        (final_constant, "constant", True, {"initial_state": True, "final_state": True}),
+    ]
+}
+
+
+def rel_err(a, ref) -> float:
+    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def outputs(res) -> list:
+    return list(res) if isinstance(res, (tuple, list)) else [res]
+
+
+def compile_and_capture(fn, args, **kwargs):
+    """Compile with the backend's rewrite (the graph then runs as is); the rewrite results too."""
+    results = []
+
+    def backend(gm, example_inputs):
+        results.append(rewrite(gm, example_inputs))
+        return gm.forward
+
+    return outputs(torch.compile(fn, backend=backend, fullgraph=True, **kwargs)(*args)), results
+
+
+def check_exact(fn, args):
+    """Outputs and the gradient of every input against float64 eager."""
+    args = [a.clone().requires_grad_() for a in args]
+    got, results = compile_and_capture(fn, args)
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    want = outputs(fn(*args64))
+    weights = [torch.randn(w.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) for w in want]
+    grads = torch.autograd.grad(sum((o.double() * w).sum() for o, w in zip(got, weights)), args)
+    grads64 = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)), args64)
+    for what, a, b in [("output", o, w) for o, w in zip(got, want)] + [("gradient", g, w) for g, w in zip(grads, grads64)]:
+        assert rel_err(a, b) <= FP32_TOL, what
+    return [m for r in results for m in r.matches]
+
+
+@pytest.mark.parametrize("name", sorted(GLA))
+def test_rewritten_with_its_states(name):
+    fn, gate, h0, opts = GLA[name]
+    matches = check_exact(fn, inputs(gate, h0))
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert [(m.form, m.gate) for m in matches] == [("parallel", gate)]
+    assert {k: matches[0].options[k] for k in opts} == opts
+
+
+def test_inductor_reverse_with_states():
+    """Through Inductor: the reverse op with both states compiles and is exact."""
+    args = inputs("vector", h0=True)
+    out = torch.compile(final_reverse_vector, backend=gla_inductor.backend, fullgraph=True)(*args)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    for o, w in zip(out, final_reverse_vector(*[a.double() for a in args])):
+        assert rel_err(o, w) <= FP32_TOL
+
+
+def test_dynamic_lengths_do_not_recompile():
+    """The decay and the state terms are proven for every length: one graph, symbolic T."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def fn(q, k, v, g, h0):
+        G = rcumsum(g, -1)
+        D = (G[..., :, None] - G[..., None, :]).exp().triu()
+        return ((q @ k.transpose(-1, -2)) * D) @ v + (q * G.exp()[..., None]) @ h0
+
+    cnt = CompileCounterWithBackend(gla_inductor.backend)
+    compiled = torch.compile(fn, backend=cnt, dynamic=True, fullgraph=True)
+    for t in (7, 11, 16):
+        q, k, v = (torch.randn(2, 3, t, d) for d in (4, 4, 5))
+        g, h0 = F.logsigmoid(torch.randn(2, 3, t)), torch.randn(2, 3, 4, 5)
+        assert rel_err(compiled(q, k, v, g, h0), fn(*[x.double() for x in (q, k, v, g, h0)])) <= FP32_TOL
+    assert cnt.frame_count == 1
+    assert counters["gla_inductor"]["rewrites"] == 1
+
+
+# ---- near misses ------------------------------------------------------------------------------
+def near_reverse_mask_forward_decay(q, k, v, g):
+    """triu with exp(G_i - G_j) of a forward cumsum: the decay runs against the mask."""
+    G = g.cumsum(-1)
+    return ((q @ k.transpose(-1, -2)) * (G[..., :, None] - G[..., None, :]).exp().triu()) @ v
+
+
+def near_reverse_strict(q, k, v, g):
+    """The reverse decay without the diagonal."""
+    G = rcumsum(g, -1)
+    return ((q @ k.transpose(-1, -2)) * (G[..., :, None] - G[..., None, :]).exp().triu(1)) @ v
+
+
+def near_reverse_forward_cumsum_shifted(q, k, v, g):
+    """triu with exp(G_j - G_i) of a forward cumsum: the steps (i, j], not [i, j)."""
+    G = g.cumsum(-1)
+    return ((q @ k.transpose(-1, -2)) * (G[..., None, :] - G[..., :, None]).exp().triu()) @ v
+
+
+@pytest.mark.parametrize("fn", [near_reverse_mask_forward_decay, near_reverse_strict,
+                                near_reverse_forward_cumsum_shifted], ids=lambda f: f.__name__)
+def test_near_miss_is_left_alone(fn):
+    args = inputs("scalar")
+    got, results = compile_and_capture(fn, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    assert rel_err(got[0], fn(*[a.double() for a in args])) <= FP32_TOL
+    assert any(nm.form == "parallel" for r in results for nm in r.near_misses)
+
+
+def near_h0_one_step_short(q, k, v, g, h0):
+    """The initial state decayed to step i - 1: the attention is GLA, the term is not its h0."""
+    G = g.cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).exp().tril()
+    return ((q @ k.transpose(-1, -2)) * D) @ v + (q * (G - g).exp()[..., None]) @ h0
+
+
+def near_h0_scaled_apart(q, k, v, g, h0):
+    """The attention scaled, the initial-state term not."""
+    G = g.cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).exp().tril()
+    return ((q @ k.transpose(-1, -2)) * D) @ v * 0.5 + (q * G.exp()[..., None]) @ h0
+
+
+def near_h0_forward_in_reverse(q, k, v, g, h0):
+    """Reverse attention with the initial state decayed forward."""
+    G = rcumsum(g, -1)
+    D = (G[..., :, None] - G[..., None, :]).exp().triu()
+    return ((q @ k.transpose(-1, -2)) * D) @ v + (q * g.cumsum(-1).exp()[..., None]) @ h0
+
+
+def near_final_one_step_short(q, k, v, g):
+    """The final state decayed to step T - 2."""
+    G = g.cumsum(-1)
+    o = ((q @ k.transpose(-1, -2)) * (G[..., :, None] - G[..., None, :]).exp().tril()) @ v
+    return o, (k * (G[..., -2:-1] - G).exp()[..., None]).transpose(-1, -2) @ v
+
+
+def near_final_without_h0(q, k, v, g, h0):
+    """The output reads h0, the final state leaves it out."""
+    G = g.cumsum(-1)
+    D = (G[..., :, None] - G[..., None, :]).exp().tril()
+    o = ((q @ k.transpose(-1, -2)) * D) @ v + (q * G.exp()[..., None]) @ h0
+    return o, (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2) @ v
+
+
+@pytest.mark.parametrize("fn,h0,left_out", [
+    (near_h0_one_step_short, True, "initial_state"),
+    (near_h0_scaled_apart, True, "initial_state"),
+    (near_h0_forward_in_reverse, True, "initial_state"),
+    (near_final_one_step_short, False, "final_state"),
+    (near_final_without_h0, True, "final_state"),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_state_term_off_by_one_stays_code(fn, h0, left_out):
+    """The attention is rewritten; the state term that is not GLA's is computed as written."""
+    matches = check_exact(fn, inputs("scalar", h0))
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert matches[0].options[left_out] is False
