@@ -239,15 +239,13 @@ def _clamp_bounds(node: fx.Node):
         lo = rest[0] if len(rest) > 0 else node.kwargs.get("min")
         hi = rest[1] if len(rest) > 1 else node.kwargs.get("max")
     bounds = []
-    for b in (lo, hi):
-        if b is None:
-            bounds.append(None)
-        elif _number(b) is None or math.isnan(b):
-            return None
+    for b, unbounded in ((lo, -math.inf), (hi, math.inf)):
+        if b is None or b == unbounded:
+            bounds.append(None)  # clamp(min=-inf) / clamp(max=inf): no bound
+        elif _number(b) is None or not math.isfinite(b):
+            return None  # a NaN or an infinite bound on the wrong side is no gate function of ours
         else:
-            bounds.append(None if math.isinf(b) else float(b))
-    if bounds[0] is not None and lo is not None and math.isinf(lo) and lo > 0:
-        return None
+            bounds.append(float(b))
     return node.args[0], bounds[0], bounds[1]
 
 
