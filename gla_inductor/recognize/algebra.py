@@ -182,15 +182,16 @@ class Analyzer:
         self.nodes = list(graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self._keys: dict = {}
+        keys = {n: self.key(n) for n in self.nodes}  # hot loops below index it directly
         # every in-place write: (node, the tensors it writes), in graph order
         self.writes = [(n, ts) for n in self.nodes for ts in (written_args(n),) if ts]
-        self.consts = ConstAnalysis(graph, dict(self.writes), self.key)
+        self.consts = ConstAnalysis(graph, dict(self.writes), keys.__getitem__)
         self.sizes: dict[int, Any] = {}
         self._counter = itertools.count()
         self._cache: dict[fx.Node, Optional[AV]] = {}
-        self.canon = _value_numbering(self.nodes, self.writes, self.key)
+        self.canon = _value_numbering(self.nodes, self.writes, keys)
         self.memo: dict = {}  # results the recognizers share (the state updates of loop.py)
-        self.versions = _versions(self.nodes, self.order, self.writes, self.key)
+        self.versions = _versions(self.nodes, self.order, self.writes, keys)
         self.readers: dict = {}  # node -> consumers that read it through a tensor it was written into
         for (consumer, _), value in self.versions.items():
             if value is not STALE:
@@ -1116,7 +1117,7 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _versions(nodes: list, order: dict, writes: list, key) -> dict:
+def _versions(nodes: list, order: dict, writes: list, keys: dict) -> dict:
     """(consumer, input) -> what the consumer reads, for each input whose memory (through any
     alias) was written in place after the input was computed: the written value for a whole
     write of that very tensor (`x.copy_(y)`, `x[:] = y`, same shape; y as the write read it),
@@ -1131,14 +1132,14 @@ def _versions(nodes: list, order: dict, writes: list, key) -> dict:
     for i, n in enumerate(nodes[first:], first):
         if written:
             for a in n.all_input_nodes:
-                w = written.get(key(a))
+                w = written.get(keys[a])
                 if w is not None and w[0] > order[a]:
                     res[(n, a)] = w[1] if w[2] is a else STALE
         for target in targets.get(n, ()):
             value = _whole_write(n, target)
             if value is not None:
                 value = res.get((n, value), value)  # y itself may have been written before the copy
-            written[key(target)] = (i, STALE if value is None else value, target)
+            written[keys[target]] = (i, STALE if value is None else value, target)
     return res
 
 
@@ -1159,21 +1160,22 @@ def _whole_write(n: fx.Node, target: fx.Node) -> Optional[fx.Node]:
     return value
 
 
-def _value_numbering(nodes: list, writes: list, key) -> dict:
+def _value_numbering(nodes: list, writes: list, keys: dict) -> dict:
     """Map each pure node to the first node that computes the same thing.
 
     Dynamo does not CSE, so a loop that recomputes `-A_log.exp()` every step holds T
     equal nodes; atoms compare by their canonical node. Nodes that hold or read memory that
     is written in place anywhere (through any alias) are left alone: their value depends on
     program order."""
-    mutated = {key(t) for _, ts in writes for t in ts}
-    writers = {w for w, _ in writes}
+    mutated = {keys[t] for _, ts in writes for t in ts}
+    # the writes, and every node that holds written memory
+    unstable = {w for w, _ in writes} | {n for n in nodes if keys[n] in mutated} if mutated else set()
     canon: dict = {}
     seen: dict = {}
     for n in nodes:
         if n.op not in ("call_function", "call_method") or n.target is operator.getitem:
             continue  # index tuples are costly to hash and Dynamo never repeats them
-        if mutated and (n in writers or key(n) in mutated or any(key(a) in mutated for a in n.all_input_nodes)):
+        if unstable and (n in unstable or any(a in unstable for a in n.all_input_nodes)):
             continue
         try:
             k = (n.op, n.target, freeze(n.args, canon), freeze(n.kwargs, canon))

@@ -53,24 +53,31 @@ def written_args(node: fx.Node) -> list:
     tensor of `torch._foreach_mul_([x, y], 2)`), the `out=` tensors, and the mutable arguments
     of an aten overload. A read of memory written this way sees the new value, which the
     algebra (reading node values) only knows through `Analyzer.versions`."""
-    if node.op not in ("call_function", "call_method"):
+    op, target = node.op, node.target
+    if op == "call_method":
+        inplace = target in _AUGMENTED_METHODS or target == "__setitem__" or (
+            target.endswith("_") and not target.startswith("__") and target not in _NOT_WRITES)
+    elif op != "call_function":
         return []
-    res = _tensor_nodes(node.kwargs.get("out"))
-    if node.op == "call_method":
-        name = node.target
-        inplace = name in _AUGMENTED_METHODS or name == "__setitem__" or (
-            name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)
-    elif node.target is operator.setitem or node.target in _AUGMENTED:
+    elif target is operator.setitem or _augmented(target):
         inplace = True
-    elif isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return res + _schema_writes(node)
+    elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _tensor_nodes(node.kwargs.get("out")) + _schema_writes(node)
     else:
-        name = getattr(node.target, "__name__", "")
+        name = getattr(target, "__name__", "")
         inplace = name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES
         inplace = inplace or _inplace_flag(node)
+    res = _tensor_nodes(node.kwargs["out"]) if "out" in node.kwargs else []
     if inplace and node.args:
         res += _tensor_nodes(node.args[0])
     return res
+
+
+def _augmented(target) -> bool:
+    try:
+        return target in _AUGMENTED
+    except TypeError:  # an unhashable callable
+        return False
 
 
 def is_inplace(node: fx.Node) -> bool:
