@@ -15,6 +15,16 @@ import torch
 import torch.nn.functional as F
 
 
+def sweep_inputs(B: int, T: int, H: int, K: int, V: int, gate: str):
+    """q, k, v and the log gate (bf16, ``logsigmoid(randn) / 16``) of the sweeps, seeded."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    gshape = (B, T, H, K) if gate == "vector" else (B, T, H)
+    g = (F.logsigmoid(torch.randn(gshape, device="cuda")) / 16).to(torch.bfloat16)
+    return q, k, v, g
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8,2048,16,128,128")
@@ -28,11 +38,7 @@ def main():
     from gla_inductor.triton_chunk import TileConfig, chunk_fwd_triton, default_config
 
     B, T, H, K, V = map(int, args.shape.split(","))
-    torch.manual_seed(0)
-    q, k = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
-    gshape = (B, T, H, K) if args.gate == "vector" else (B, T, H)
-    g = (F.logsigmoid(torch.randn(gshape, device="cuda")) / 16).to(torch.bfloat16)
+    q, k, v, g = sweep_inputs(B, T, H, K, V, args.gate)
     base = default_config(B, T, H, K, V, torch.bfloat16, args.gate == "vector", q.device)
     ref = chunk_fwd_triton(q, k, v, g, None, None, K ** -0.5, False, False, config=base)[0].float()
 

@@ -13,6 +13,11 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
   split: the scans only materialize states, and gla_chunk_output computes o (dv) chunk-parallel:
     forward   2 launches (states scan, output); backward 4 (states, dual states, dual output, dqkg).
     More HBM traffic, but the per-chunk work no longer sits on the scans' sequential path.
+  local (``ChunkConfig.local``, the default for vector gates from K = 128): gla_chunk_local computes
+    every chunk's state-independent terms in parallel (decayed q and k, scores, chunk decay), and
+    gla_chunk_carry scans them with three dots per chunk:
+    forward   2 launches (local, carry); backward 4 (local with the scores' transpose, states carry,
+              dual carry, dqkg).
 
 ``chunk_fwd_triton`` / ``chunk_bwd_triton`` follow the contract of the ``gla_inductor::chunk_fwd`` /
 ``chunk_bwd`` custom ops. They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -81,6 +86,11 @@ class ChunkConfig:
     dqkg: TileConfig  # gla_chunk_bwd_dqkg; block_k must cover K for scalar and constant gates
     states_dtype: torch.dtype  # the per-chunk states h and dh in HBM
     split: bool = False
+    # the forward's schedule: gla_chunk_local (chunk-parallel: the gate, decayed q and k, intra-chunk
+    # scores) then gla_chunk_carry (the scan, three dots per chunk); False: gla_chunk_scan alone
+    local: bool = False
+    local_tile: TileConfig = TileConfig(block_v=0, num_warps=8, num_stages=2)
+    carry: TileConfig = TileConfig(block_v=64, num_warps=4, num_stages=2)
     # how fp32 operands multiply ("ieee", "tf32", "tf32x3"); None: "ieee" for fp32 inputs under
     # torch's "highest" matmul precision, else "tf32" (fp16 inputs use fp32 operands: fp16's range
     # cannot hold the kernels' gated factors, and TF32 keeps fp16's 10-bit mantissa)
@@ -104,6 +114,15 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
     if BK <= 128:
         return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=2)
     return fallback
+
+
+def local_schedule(BK: int, vector_gate: bool) -> bool:
+    """Whether the local schedule (gla_chunk_local, then gla_chunk_carry) beats the fused scan, from
+    an H100 sweep (benchmarks/results/h100-2026-11-22-local.md): for vector gates from K = 128 on
+    (0.367 against 0.435 ms at (8, 2048, 16, 128, 128), 0.48 against 1.04 ms at K = 256, V = 512),
+    for the others at K = 256 only (0.39 against 1.36 ms; at K = 128 the fused scan's 0.197 ms beat
+    0.243). Small heads keep the fused scan (its one launch wins at (8, 1024, 8, 64, 64))."""
+    return BK >= 128 if vector_gate else BK > 128
 
 
 def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
@@ -137,6 +156,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2),
         dqkg=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2, block_k=min(BK, 64) if vector_gate else BK),
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
+        local=local_schedule(BK, vector_gate),
     )
 
 
@@ -269,6 +289,31 @@ class _Launcher:
         tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None)
         _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
 
+    def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """gla_chunk_local: (qs, ks, A, dl), see the template."""
+        tiles = self.cfg.local_tile
+        NT = math.ceil(self.T / self.cfg.block_t)
+        dtype = torch.bfloat16 if self.options["DOT_DTYPE"] == "tl.bfloat16" else torch.float32
+        qs, ks = (torch.empty(self.B, self.T, self.H, self.K, dtype=dtype, device=self.device) for _ in range(2))
+        A = torch.empty(self.B, self.T, self.H, self.cfg.block_t, dtype=dtype, device=self.device)
+        gated = self.options["USE_GK"] or self.options["USE_G"] or self.options["USE_G_GAMMA"]
+        dl_shape = (self.B, NT, self.H, self.K) if self.options["USE_GK"] else (self.B, NT, self.H)
+        dl = torch.empty(dl_shape, dtype=torch.float32, device=self.device) if gated else None
+        options = dict(self.options, TRANSPOSE=transpose)
+        tensors = dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl)
+        _launch("gla_chunk_local", options, tensors, qs, (NT, self.B * self.H), tiles)
+        return qs, ks, A, dl
+
+    def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,
+              dl: Optional[Tensor], x=None, A=None, h0=None, h=None, ht=None) -> None:
+        """gla_chunk_carry (see the template), on gla_chunk_local's terms."""
+        tiles = self.cfg.carry
+        store_ht = ht is not None and ht.numel() > 0
+        options = dict(self.options, BV=tiles.block_v, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
+                       USE_H0=h0 is not None, STORE_HT=store_ht)
+        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, h=h, ht=ht if store_ht else None)
+        _launch("gla_chunk_carry", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
+
     def output(self, out: Tensor, *, dual: bool, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> None:
         tiles = self.cfg.output
         options = dict(self.options, BV=tiles.block_v, DUAL=dual)
@@ -311,7 +356,11 @@ def chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
     run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse, gate or GateFn(), gate_a, gate_bias)
-    if cfg.split:
+    if cfg.local:
+        qs, ks, A, dl = run.local(q, k, transpose=False)
+        run.carry(o, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl, h0=initial_state,
+                  ht=ht)
+    elif cfg.split:
         h = run.states()
         run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht)
         run.output(o, dual=False, q=q, k=k, v=v, h=h)
@@ -345,12 +394,20 @@ def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
 
     run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse, gate, gate_a, gate_bias)
     h = run.states()
-    run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
     dh = run.states()
-    if cfg.split:
+    if cfg.local:
+        # chunk-local terms once; the dual scan takes x = ks, y = qs and the scores' transpose
+        qs, ks, At, dl = run.local(q, k, transpose=True)
+        run.carry(h, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state)
+        run.carry(dv, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl, h0=dht, h=dh,
+                  ht=dh0)
+        del qs, ks, At
+    elif cfg.split:
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
         run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0)
         run.output(dv, dual=True, q=q, k=k, v=do, h=dh)
     else:
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
         run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0)
     # constant gate: per-step gradients [B, T, H], summed over batch and time below
     dg_steps = None if g_gamma is None else q.new_empty(B, T, H, dtype=torch.float32)

@@ -74,11 +74,12 @@ class Case:
     gate_fn: object = _logsigmoid_gate
     tol_scale: float = 1.0
     split: bool = False  # the split schedule: states scans, then chunk-parallel outputs
+    local: bool = False  # the forward's local schedule: chunk-local terms, then the carry scan
 
     @property
     def id(self) -> str:
         parts = [self.gate, f"B{self.B}-T{self.T}-H{self.H}-K{self.K}-V{self.V}", str(self.dtype)[6:]]
-        parts += [name for name in ("h0", "ht", "reverse", "transposed", "split") if getattr(self, name)]
+        parts += [name for name in ("h0", "ht", "reverse", "transposed", "split", "local") if getattr(self, name)]
         if self.gate_fn is not _logsigmoid_gate:
             parts.append(self.gate_fn.__name__.strip("_"))
         return "-".join(parts)
@@ -126,6 +127,19 @@ CASES = [
     Case("none", T=17, K=20, V=12, h0=True, ht=True, split=True),
     Case("vector", T=65, H=2, K=20, V=12, dtype=bf16, h0=True, ht=True, split=True),
     Case("vector", T=256, h0=True, ht=True, gate_fn=_mixed_gate, tol_scale=10, split=True),
+    # the local schedule of the forward
+    Case("vector", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True, local=True),
+    Case("vector", T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True, local=True),
+    Case("vector", T=65, K=96, V=96, ht=True, transposed=True, local=True),
+    Case("scalar", T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True, local=True),
+    Case("scalar", T=1, K=12, V=20, h0=True, ht=True, local=True),
+    Case("const", T=65, H=2, K=20, V=12, ht=True, local=True),
+    Case("none", T=17, K=20, V=12, h0=True, ht=True, local=True),
+    Case("vector", T=65, H=2, K=20, V=12, dtype=bf16, h0=True, ht=True, local=True),
+    Case("scalar", T=130, H=2, K=32, V=32, dtype=bf16, h0=True, reverse=True, local=True),
+    Case("vector", T=40, H=2, K=32, V=32, dtype=fp16, h0=True, ht=True, local=True),
+    Case("vector", T=256, h0=True, ht=True, gate_fn=_mixed_gate, tol_scale=10, local=True),
+    Case("scalar", T=200, h0=True, ht=True, reverse=True, gate_fn=_steep_gate, tol_scale=10, local=True),
 ]
 
 
@@ -175,7 +189,7 @@ def test_chunk_fwd_bwd_match_reference(case: Case):
     scale = case.K**-0.5
     config = triton_chunk.default_config(case.B, case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
                                          q.device)
-    config = dataclasses.replace(config, split=case.split)
+    config = dataclasses.replace(config, split=case.split, local=case.local)
     o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, scale, case.ht, case.reverse, config=config)
     grads = triton_chunk.chunk_bwd_triton(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse, config=config)
     ref_o, ref_ht, ref_grads = _reference(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse)
@@ -295,8 +309,9 @@ def test_supports_reports_limits():
 
 
 @needs_kernels
-def test_standalone_render_is_cached_and_specializes_no_size():
-    """One kernel per option set; sizes are do_not_specialize and absent inputs vanish from the signature."""
+def test_standalone_render_is_cached_and_specializes_head_sizes():
+    """One kernel per option set; the time size alone is do_not_specialize (head counts and head dims
+    specialize, which vectorizes the masked loads) and absent inputs vanish from the signature."""
     options = dict(BT=16, BK=16, BV=16, USE_GK=False, USE_G=False, USE_G_GAMMA=False, REVERSE=False, SCALE=1.0,
                    DOT_DTYPE="tl.float32", F32_PRECISION="'ieee'", WRITE_OUT=True, DUAL=False, STORE_STATES=False,
                    USE_H0=False, STORE_HT=False, **GateFn().kernel_options())
@@ -306,6 +321,6 @@ def test_standalone_render_is_cached_and_specializes_no_size():
     assert standalone.render(names, "gla_chunk_scan", dict(options), dict(ndims)) is kernel
     assert kernel.pointers == ("q", "k", "v")
     sizes = [s.name for s in kernel.scalars if s.kind == "size"]
-    assert "q_size_1" in sizes  # T
-    assert f"do_not_specialize={sizes!r}" in kernel.source
+    assert sizes == ["q_size_1", "q_size_2", "q_size_3", "v_size_3"]  # T, H, K, V
+    assert "do_not_specialize=['q_size_1'])" in kernel.source
     assert "{{" not in kernel.source and "{%" not in kernel.source

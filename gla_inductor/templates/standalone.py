@@ -5,7 +5,12 @@ gives the same helpers a plain-Triton meaning, so the same sources also run outs
 
   def_kernel(*names)  the ``@triton.jit`` signature: one pointer per name, then the main output
                       ``out_ptr0``, then every size and stride the body asked for, as scalar
-                      arguments. Sizes are ``do_not_specialize``, so a new T reuses the kernel.
+                      arguments. Time sizes (dim 1) are ``do_not_specialize``, so a new T reuses
+                      the kernel; head counts and head dims are specialized like any int argument
+                      (on divisibility by 16). That matters: masks along K and V are then constant
+                      over 16 elements, so loads vectorize and the loop pipeliner turns them into
+                      asynchronous copies; with unspecialized sizes every masked load was a 2-byte
+                      load per element, issued synchronously inside the chunk loop.
   size(name, i)       the scalar argument ``{name}_size_{i}``
   stride(name, i)     the scalar argument ``{name}_stride_{i}``; without i, all of them, comma separated
   store_output(...)   a ``tl.store`` of the value into ``out_ptr0`` at the given indices
@@ -90,7 +95,7 @@ class _Helpers:
 
     def header(self, kernel_name: str, defines: Mapping[str, Any]) -> str:
         args = [*self.pointers, OUT, *self.scalars]
-        sizes = [a.name for a in self.scalars.values() if a.kind == "size"]
+        sizes = [a.name for a in self.scalars.values() if a.kind == "size" and a.dim == 1]
         lines = [
             "import triton",
             "import triton.language as tl",

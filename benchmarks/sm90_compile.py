@@ -1,0 +1,117 @@
+"""Compile a GLA kernel for sm_90 without a GPU and report registers and spills (ptxas -v).
+
+    python benchmarks/sm90_compile.py carry --gate vector --bv 64 --warps 4 [--dump DIR]
+
+Renders the template with the options ``triton_chunk`` would pass at (B, T, H, K, V) =
+(8, 2048, 16, 128, 128) in bf16, compiles it with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``,
+and runs the ptxas bundled with Triton on the PTX. ``--dump`` writes the TTGIR and PTX to look at
+layouts and shared-memory round trips.
+"""
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+
+from gla_inductor import triton_chunk
+from gla_inductor.gates import GateFn
+from gla_inductor.templates import standalone
+
+# per template: the tensors it may name, (rank, dtype at the benchmark's bf16 inputs)
+TENSORS = {
+    "q": (4, "bf16"), "k": (4, "bf16"), "v": (4, "bf16"), "g": (4, "bf16"), "g_gamma": (1, "fp32"),
+    "x": (4, "bf16"), "y": (4, "bf16"), "A": (4, "bf16"), "ks": (4, "bf16"), "dl": (4, "fp32"),
+    "h0": (4, "fp32"), "ht": (4, "fp32"), "h": (5, "bf16"), "do": (4, "bf16"), "dh": (5, "bf16"),
+    "dk": (4, "bf16"), "dg": (4, "fp32"), "gate_a": (1, "fp32"), "gate_bias": (2, "fp32"),
+}
+MODES = {  # template, extra options, main output (rank, dtype)
+    "scan": ("gla_chunk_scan", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True),
+             (4, "bf16")),
+    "carry": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True),
+              (4, "bf16")),
+    "local": ("gla_chunk_local", dict(TRANSPOSE=False), (4, "bf16")),
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=list(MODES))
+    p.add_argument("--gate", default="vector", choices=["vector", "scalar"])
+    p.add_argument("--bv", type=int, default=64)
+    p.add_argument("--bt", type=int, default=64)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--dump")
+    p.add_argument("--no-specialize", action="store_true", help="sizes without divisibility (as before)")
+    args = p.parse_args()
+
+    template, extra, (out_rank, out_dtype) = MODES[args.mode]
+    cfg = triton_chunk.default_config(8, 2048, 16, 128, 128, torch.bfloat16, args.gate == "vector",
+                                      torch.device("cpu"))
+    cfg = triton_chunk.ChunkConfig(**{**cfg.__dict__, "block_t": args.bt})
+    options = triton_chunk.kernel_options(cfg, torch.bfloat16, 128, args.gate, 128 ** -0.5, False, False, GateFn())
+    options.update(extra, BV=args.bv)
+    ranks = {n: r for n, (r, _) in TENSORS.items()}
+    ranks[standalone.OUT] = out_rank
+    if args.gate == "scalar":
+        ranks["g"] = 3
+        ranks["dl"] = 3
+    source, helpers = standalone.render_source((template, "gla_common"), template, options, ranks)
+    path = Path(tempfile.mkdtemp()) / f"{template}.py"
+    path.write_text(source)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(template, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, template)
+
+    dtypes = {n: d for n, (_, d) in TENSORS.items()}
+    dtypes[standalone.OUT] = out_dtype
+    # as Triton specializes the arguments at run time: contiguous last dims give strides equal to 1
+    # (compiled in as constants), the other strides and the pointers are multiples of 16
+    signature, attrs, ones = {}, {}, set()
+    for i, name in enumerate([*helpers.pointers, standalone.OUT, *helpers.scalars]):
+        scalar = helpers.scalars.get(name)
+        if name in dtypes:
+            signature[name] = "*" + dtypes[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif scalar is not None and scalar.kind == "stride" and scalar.dim == ranks[scalar.tensor] - 1:
+            signature[name] = "constexpr"
+            ones.add(name)
+        else:
+            signature[name] = "i32"
+            # strides, and the head count and head dims (sizes of dims 2 and 3; standalone.py leaves
+            # only T unspecialized) are multiples of 16 at the benchmark's shapes
+            if scalar is not None and (scalar.kind == "stride" or scalar.dim >= 2) and not args.no_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in fn.arg_names:
+        if name not in signature:
+            signature[name] = "constexpr"
+    constexprs = {(fn.arg_names.index(n),): (1 if n in ones else None) for n, t in signature.items()
+                  if t == "constexpr"}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=args.warps, num_stages=args.stages))
+    ptx = compiled.asm["ptx"]
+    ptx_path = path.with_suffix(".ptx")
+    ptx_path.write_text(ptx)
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx_path), "-o", os.devnull],
+                         capture_output=True, text=True)
+    print("\n".join(l for l in res.stderr.splitlines() if "Used" in l or "spill" in l))
+    if args.dump:
+        out = Path(args.dump)
+        out.mkdir(parents=True, exist_ok=True)
+        for key in ("ttir", "ttgir", "ptx"):
+            (out / f"{args.mode}_{args.gate}.{key}").write_text(compiled.asm[key])
+
+
+if __name__ == "__main__":
+    main()
