@@ -27,6 +27,8 @@ pytestmark = pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs a GPU
 EXTERN_CALL = re.compile(r"^\s*[\w, ]+ = torch\.ops\.gla_inductor\.\w+\.default\(", re.MULTILINE)
 SCAN_KERNEL = "GLA chunk scan"  # comments the templates leave in their kernels' source
 DQKG_KERNEL = "GLA backward for q, k and the gate"
+LOCAL_KERNEL = "GLA chunk-local terms"
+CARRY_KERNEL = "GLA inter-chunk scan"
 
 
 @pytest.fixture(autouse=True)
@@ -114,6 +116,37 @@ def test_forward_and_backward_run_the_templates(gate, reverse):
     assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
     for name, t in x.items():
         # the kernels' fp32 bound (tests/test_triton_kernels.py): gate gradients sum cancelling terms
+        assert _rel(t.grad, x64[name].grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar", "none"])
+def test_local_schedule_runs_its_templates(gate, monkeypatch):
+    """The local schedule (chosen on a GPU for large heads; forced here): forward = chunk-local terms
+    plus the carry scan, backward = local terms, two carry scans, dq/dk/dg; gradients exact."""
+    monkeypatch.setattr(gla_inductor.triton_chunk, "local_schedule", lambda BK, vector_gate: True)
+    x = _inputs(1, 37, 2, 16, 24, gate, h0=True)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1, 37, 2, 24, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    @torch.compile(fullgraph=True)
+    def fwd(x):
+        return gla_inductor.chunk_gla(**x, output_final_state=True, reverse=True)
+
+    def fwd_bwd():
+        o, ht = fwd(x)
+        ((o.double() * w).sum() + ht.double().sum()).backward()
+        return o, ht
+
+    (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    assert not EXTERN_CALL.search(fwd_code + bwd_code)
+    assert fwd_code.count(LOCAL_KERNEL) == 1 and fwd_code.count(CARRY_KERNEL) == 1 and SCAN_KERNEL not in fwd_code
+    assert bwd_code.count(LOCAL_KERNEL) == 1 and bwd_code.count(CARRY_KERNEL) == 2
+    assert bwd_code.count(DQKG_KERNEL) == 1 and SCAN_KERNEL not in bwd_code
+
+    o64, ht64, x64 = _reference(x, reverse=True)
+    ((o64 * w).sum() + ht64.sum()).backward()
+    assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
+    for name, t in x.items():
         assert _rel(t.grad, x64[name].grad) < 1e-4, name
 
 

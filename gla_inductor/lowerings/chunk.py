@@ -4,8 +4,10 @@ main output's store, autotuned under max-autotune) instead of an extern call to 
 
 The templates are the jinja sources of ``gla_inductor/templates/``, which the eager CUDA path renders
 standalone (``templates/standalone.py``); tiles and options come from ``triton_chunk``, so a compiled
-graph and an eager call run the same kernels with the same configuration. The schedule is the fused
-one of ``triton_chunk`` (forward: one scan; backward: states scan, dual scan, dq/dk/dg).
+graph and an eager call run the same kernels with the same configuration, and the same schedule:
+the fused one of ``triton_chunk`` (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
+the local one (forward: chunk-local terms, carry scan; backward: local terms, states and dual carry
+scans, dq/dk/dg). The split schedule is eager-only.
 
 Anything the kernels do not cover (CPU without Inductor's Triton backend, head sizes past the
 kernels' limits, float64, a config switch) lowers to the eager op as an extern kernel; the reason is
@@ -50,6 +52,12 @@ def _scan_grid(BH, V, meta, *, cdiv):
 
 
 @SymbolicGridFn
+def _local_grid(T, BH, meta, *, cdiv):
+    """How is gla_chunk_local parallelized? One program per (chunk, batch * head)."""
+    return (cdiv(T, meta["BT"]), BH, 1)
+
+
+@SymbolicGridFn
 def _dqkg_grid(K, T, BH, meta, *, cdiv):
     """How is gla_chunk_bwd_dqkg parallelized? One program per (key tile, chunk, batch * head): with
     the states in HBM the chunks are independent (see ``triton_chunk.chunk_grid``)."""
@@ -62,10 +70,12 @@ def _template(name: str, grid) -> TritonTemplate:
 
 
 SCAN = _template("gla_chunk_scan", _scan_grid)
+LOCAL = _template("gla_chunk_local", _local_grid)
+CARRY = _template("gla_chunk_carry", _scan_grid)
 DQKG = _template("gla_chunk_bwd_dqkg", _dqkg_grid)
 
 # the named arguments each template writes with tl.store (its main output goes through store_output)
-_WRITTEN = {SCAN.name: ("h", "ht"), DQKG.name: ("dk", "dg")}
+_WRITTEN = {SCAN.name: ("h", "ht"), LOCAL.name: ("ks", "A", "dl"), CARRY.name: ("h", "ht"), DQKG.name: ("dk", "dg")}
 
 # ----------------------------------------------------------------------------------------------
 # when to lower to the templates
@@ -198,6 +208,33 @@ class _Plan:
                             [dict(BV=t.block_v, tiles=t)
                              for t in _tile_choices(tiles, int(self.V), self.options["BK"], self.options["USE_GK"])])
 
+    def local(self, q, k, *, transpose: bool):
+        """gla_chunk_local: (qs, ks, A, dl), the chunk-local terms (see the template); dl is None
+        without a gate."""
+        dtype = torch.bfloat16 if self.options["DOT_DTYPE"] == "tl.bfloat16" else torch.float32
+        B, T, H, K, NT = self.B, self.T, self.H, self.K, _cdiv(self.T, self.cfg.block_t)
+        ks = _empty((B, T, H, K), dtype, self.device)
+        A = _empty((B, T, H, self.cfg.block_t), dtype, self.device)
+        opts = self.options
+        dl = None
+        if opts["USE_GK"] or opts["USE_G"] or opts["USE_G_GAMMA"]:
+            dl = _empty((B, NT, H, K) if opts["USE_GK"] else (B, NT, H), torch.float32, self.device)
+        tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl).items() if t is not None}
+        tiles = self.cfg.local_tile
+        qs = self._select(LOCAL, dict(opts, TRANSPOSE=transpose), tensors, _layout(self.device, dtype, (B, T, H, K)),
+                          [T, B * H], [dict(tiles=tiles)])
+        return qs, ks, A, dl
+
+    def carry(self, layout, *, write_out: bool, dual: bool, store_states: bool, **tensors):
+        """gla_chunk_carry on gla_chunk_local's terms: returns the main output; ``h`` and ``ht`` are
+        written. One tile (the eager default): its max-autotune space is not explored yet."""
+        tensors = {n: t for n, t in tensors.items() if t is not None}
+        options = dict(self.options, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
+                       USE_H0="h0" in tensors, STORE_HT="ht" in tensors)
+        tiles = self.cfg.carry
+        return self._select(CARRY, options, tensors, layout, [self.B * self.H, self.V],
+                            [dict(BV=tiles.block_v, tiles=tiles)])
+
     def dqkg(self, layout, **tensors):
         """gla_chunk_bwd_dqkg: returns dq; ``dk`` and ``dg`` are written."""
         tensors = {n: t for n, t in {**tensors, **self.gates}.items() if t is not None}
@@ -256,8 +293,14 @@ def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, rev
     plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype, gate, gate_a, gate_bias)
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
     ht = _empty((B, H, K, Vd) if output_final_state else (0,), torch.float32, plan.device)
-    o = plan.scan(_layout(plan.device, dtype, (B, T, H, Vd)), plan.cfg.scan, write_out=True, dual=False,
-                  store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht if output_final_state else None)
+    layout = _layout(plan.device, dtype, (B, T, H, Vd))
+    if plan.cfg.local:
+        qs, ks, A, dl = plan.local(q, k, transpose=False)
+        o = plan.carry(layout, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl,
+                       h0=initial_state, ht=ht if output_final_state else None)
+    else:
+        o = plan.scan(layout, plan.cfg.scan, write_out=True, dual=False, store_states=False, q=q, k=k, v=v,
+                      h0=initial_state, ht=ht if output_final_state else None)
     return o, ht
 
 
@@ -279,15 +322,22 @@ def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_
     cfg, device = plan.cfg, plan.device
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
 
-    # h: the state entering every chunk
-    h = plan.scan(_layout(device, cfg.states_dtype, plan.states_size()), cfg.states, write_out=False, dual=False,
-                  store_states=True, k=k, v=v, h0=initial_state)
-    # the dual scan of dS = dL/dS: dv (main output), dh (dS leaving every chunk), dh0
+    states = _layout(device, cfg.states_dtype, plan.states_size())
     dh = _empty(plan.states_size(), cfg.states_dtype, device)
     dh0 = (_empty(initial_state.get_size(), initial_state.get_dtype(), device) if initial_state is not None
            else _empty((0,), q_dtype, device))
-    dv = plan.scan(_layout(device, v_dtype, (B, T, H, Vd)), cfg.dual, write_out=True, dual=True, store_states=True,
-                   q=q, k=k, v=do, h0=dht, h=dh, ht=dh0 if initial_state is not None else None)
+    dv_layout = _layout(device, v_dtype, (B, T, H, Vd))
+    # h: the state entering every chunk; then the dual scan of dS = dL/dS: dv (main output), dh (dS
+    # leaving every chunk), dh0
+    if cfg.local:
+        qs, ks, At, dl = plan.local(q, k, transpose=True)
+        h = plan.carry(states, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state)
+        dv = plan.carry(dv_layout, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl,
+                        h0=dht, h=dh, ht=dh0 if initial_state is not None else None)
+    else:
+        h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
+        dv = plan.scan(dv_layout, cfg.dual, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht,
+                       h=dh, ht=dh0 if initial_state is not None else None)
     # dq (main output), dk, dg; a constant gate's per-step gradients are summed over batch and time
     dk = _empty((B, T, H, K), k_dtype, device)
     if g is not None:
