@@ -67,6 +67,10 @@ CONFIGS = {
     "local_bv64_w4_lw8": lambda b: _local(b, 64, 4, local_warps=8),
     "local_bv128_w8_lw8": lambda b: _local(b, 128, 8, local_warps=8),
     "fused": lambda b: dataclasses.replace(b, local=False),
+    "carry_w8": lambda b: dataclasses.replace(b, carry=triton_chunk.TileConfig(64, 8, 2)),
+    "carry_bv32": lambda b: dataclasses.replace(b, carry=triton_chunk.TileConfig(32, 4, 2)),
+    "bt64_carry_w8": lambda b: dataclasses.replace(b, block_t=64, carry=triton_chunk.TileConfig(64, 8, 2)),
+    "bt64_carry_bv32": lambda b: dataclasses.replace(b, block_t=64, carry=triton_chunk.TileConfig(32, 4, 2)),
     "local_bv32_w4_lw8": lambda b: _local(b, 32, 4, local_warps=8),
     "local_bv64_w8_lw8": lambda b: _local(b, 64, 8, local_warps=8),
     "local_kernel_only": lambda b: _local(b, 64, 4),  # gla_chunk_local alone

@@ -3,7 +3,7 @@
     python benchmarks/sm90_compile.py carry --gate vector --bv 64 --warps 4 [--dump DIR]
 
 Renders the template with the options ``triton_chunk`` would pass at (B, T, H, K, V) =
-(8, 2048, 16, 128, 128) in bf16, compiles it with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``,
+(8, 2048, 16, --k, --v) in bf16, compiles it with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``,
 and runs the ptxas bundled with Triton on the PTX. ``--dump`` writes the TTGIR and PTX to look at
 layouts and shared-memory round trips.
 """
@@ -35,7 +35,7 @@ MODES = {  # template, extra options, main output (rank, dtype)
              (4, "bf16")),
     "carry": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True),
               (4, "bf16")),
-    "local": ("gla_chunk_local", dict(TRANSPOSE=False), (4, "bf16")),
+    "local": ("gla_chunk_local", dict(TRANSPOSE=False, BKS=64), (4, "bf16")),
 }
 
 
@@ -48,14 +48,17 @@ def main():
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--dump")
+    p.add_argument("--k", type=int, default=128)
+    p.add_argument("--v", type=int, default=128)
     p.add_argument("--no-specialize", action="store_true", help="sizes without divisibility (as before)")
     args = p.parse_args()
 
     template, extra, (out_rank, out_dtype) = MODES[args.mode]
-    cfg = triton_chunk.default_config(8, 2048, 16, 128, 128, torch.bfloat16, args.gate == "vector",
+    cfg = triton_chunk.default_config(8, 2048, 16, args.k, args.v, torch.bfloat16, args.gate == "vector",
                                       torch.device("cpu"))
     cfg = triton_chunk.ChunkConfig(**{**cfg.__dict__, "block_t": args.bt})
-    options = triton_chunk.kernel_options(cfg, torch.bfloat16, 128, args.gate, 128 ** -0.5, False, False, GateFn())
+    options = triton_chunk.kernel_options(cfg, torch.bfloat16, args.k, args.gate, args.k ** -0.5, False, False,
+                                          GateFn())
     options.update(extra, BV=args.bv)
     ranks = {n: r for n, (r, _) in TENSORS.items()}
     ranks[standalone.OUT] = out_rank

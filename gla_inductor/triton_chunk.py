@@ -125,6 +125,13 @@ def local_schedule(BK: int, vector_gate: bool) -> bool:
     return BK >= 128 if vector_gate else BK > 128
 
 
+def local_key_slice(BK: int) -> int:
+    """Keys gla_chunk_local handles at once. Whole keys up to K = 128 (slices of 64 there cost
+    0.37 -> 0.48 ms forward at (8, 2048, 16, 128, 128)); slices of 64 at K = 256, where whole-K
+    [64, 256] tiles spill (sm_90, 8 warps) and the slices let the chunks be 64 steps long."""
+    return BK if BK <= 128 else 64
+
+
 def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
     """Vector-gate scans with 4 warps at K = 128 hit an illegal memory access on an H100 with triton
     3.6 (BV = 32; seen at HEAD before the fused gates too): a miscompile, avoided by never choosing
@@ -139,8 +146,10 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     scan: measured (``forward_scan_tile``)."""
     BK = max(16, _pow2(K))
     BV = max(16, _pow2(V))
-    # [BT, K] tiles of q, k, g and their gated copies dominate the registers
-    block_t = min(64 if BK <= 128 else 32, max(16, _pow2(T)))
+    # [BT, K] tiles of q, k, g and their gated copies dominate the registers of the fused scans; the
+    # local schedule slices the keys (local_key_slice) and takes 64-step chunks at any K
+    local = local_schedule(BK, vector_gate)
+    block_t = min(64 if BK <= 128 or local else 32, max(16, _pow2(T)))
     block_v = min(BV, 64 if BK <= 128 else 32)
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -156,7 +165,9 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2),
         dqkg=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2, block_k=min(BK, 64) if vector_gate else BK),
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
-        local=local_schedule(BK, vector_gate),
+        local=local,
+        # 8 warps for the [256, BV] state of K = 256 (4 warps spilled)
+        carry=TileConfig(block_v=64, num_warps=4 if BK <= 128 else 8, num_stages=2),
     )
 
 
@@ -299,7 +310,7 @@ class _Launcher:
         gated = self.options["USE_GK"] or self.options["USE_G"] or self.options["USE_G_GAMMA"]
         dl_shape = (self.B, NT, self.H, self.K) if self.options["USE_GK"] else (self.B, NT, self.H)
         dl = torch.empty(dl_shape, dtype=torch.float32, device=self.device) if gated else None
-        options = dict(self.options, TRANSPOSE=transpose)
+        options = dict(self.options, TRANSPOSE=transpose, BKS=local_key_slice(self.options["BK"]))
         tensors = dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl)
         _launch("gla_chunk_local", options, tensors, qs, (NT, self.B * self.H), tiles)
         return qs, ks, A, dl

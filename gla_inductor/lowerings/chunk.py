@@ -33,7 +33,8 @@ from torch.utils._sympy.functions import CeilDiv
 from ..cuda_dispatch import _unsupported, gate_kind
 from ..gates import GateFn
 from ..templates.standalone import OUT, load_template, render_source
-from ..triton_chunk import ChunkConfig, TileConfig, default_config, dqkg_block_k, faulting_tile, kernel_options
+from ..triton_chunk import (ChunkConfig, TileConfig, default_config, dqkg_block_k, faulting_tile, kernel_options,
+                            local_key_slice)
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -221,7 +222,7 @@ class _Plan:
             dl = _empty((B, NT, H, K) if opts["USE_GK"] else (B, NT, H), torch.float32, self.device)
         tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl).items() if t is not None}
         tiles = self.cfg.local_tile
-        qs = self._select(LOCAL, dict(opts, TRANSPOSE=transpose), tensors, _layout(self.device, dtype, (B, T, H, K)),
+        qs = self._select(LOCAL, dict(opts, TRANSPOSE=transpose, BKS=local_key_slice(opts["BK"])), tensors, _layout(self.device, dtype, (B, T, H, K)),
                           [T, B * H], [dict(tiles=tiles)])
         return qs, ks, A, dl
 
