@@ -44,14 +44,17 @@ def analyze(an: Analyzer, asm, elems: list) -> Match:
     sources = {role: _source(an, [getattr(e[2], role).atom.node for e in elems]) for role in "qkv"}
     sizes["t"] = _length(sources["q"][0], sizes)
     out = _output(an, asm)
+    too_large = None
     for q, k, v in _leaf_options(sources, sizes):
         for out_letters in chunked._letterings(tuple(example_value(out).shape), "bthv", sizes):
             base = chunked.Spec(q, k, v, None, "none", None, [], out, list(out_letters), None, [], term[0], sizes)
             try:
                 return chunked._match(an, chunked._complete(an, base))
+            except chunked.CertificateTooLarge as e:
+                too_large = chunked.first_too_large(too_large, e)
             except Reject:
                 continue
-    raise Reject("no reading of the chunk loop as GLA was certified")
+    raise too_large or Reject("no reading of the chunk loop as GLA was certified")
 
 
 def _length(q: fx.Node, sizes: dict) -> int:

@@ -21,14 +21,27 @@ other branch on data. It runs in float64 on random inputs, and so does the exact
 the rewrite would insert, with the GLA op replaced by the naive reference recurrence. Both
 are exponential polynomials of the inputs on fixed masks: if they differ, they differ on all
 but a measure-zero set of inputs, so agreement (to the float32 rounding of the code's own
-constants, CERT_RTOL) at two random points certifies that they are equal. Sizes must be static (Dynamo specializes them, and the certificate holds at
-those sizes). A certificate is kept per subgraph structure, so the layers of a model pay once.
+constants, CERT_RTOL) at two random points certifies that they are equal. Sizes must be
+static (Dynamo specializes them, and the certificate holds at those sizes). A certificate is
+kept per subgraph structure (sizes included), so the layers of a model pay once.
+
+*Its cost.* At model sizes the user's subgraph materializes [b, c, l, l, h] tensors and
+larger: gigabytes in float64. Where the subgraph is proven to treat every batch and head
+alike (``shrink.py``: a table of ops, tags on the batch and head axes, constants checked by
+value; the argument is written there), both sides run at 2 batches and 2 heads instead,
+which certifies the full sizes. Otherwise the full-size certificate runs if its estimated
+float64 memory is within CERT_BUDGET_BYTES, and the candidate is rejected if not. (One
+transformers Mamba2Mixer at 1.3B sizes, B=4, T=4096, 64 heads of 64, state 128: ~13.5 GiB
+estimated at full size; 0.2 GiB and a few seconds on a CPU core at 2 batches and 2 heads.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
+import logging
+import math
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -36,12 +49,15 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from .algebra import _VIEW_OPS, AV, Analyzer, Factor, comps, factor_vars, mono_vars, op_name, out_vars
 from .consts import example_value, is_inplace, written_args
-from .emit import Emitter, Group, LFactor, Transaction
+from .emit import Emitter, Group, LFactor, Transaction, _fake_mode
 from .match import Match, NearMiss, Reject
-from . import placement
+from . import placement, shrink
+
+log = logging.getLogger("gla_inductor")
 
 # Agreement required of the certificate (relative, float64). Not tighter: the code's own
 # constants (decay tables from a float32 arange) carry float32 rounding into the comparison;
@@ -50,6 +66,23 @@ CERT_RTOL = 1e-6
 MAX_CANDIDATES = 8  # letterings tried per input: more means the shapes are too ambiguous
 FINAL_STATE_REACH = 64  # nodes searched past the last one computed from the subgraph
 _CERTIFIED: dict = {}  # structure of a certified subgraph -> True (bounded below)
+# Estimated float64 memory a certificate may take (the original subgraph's live intermediates,
+# its inputs and constants). Past it at full size and at reduced sizes, no rewrite.
+CERT_BUDGET_BYTES = 2 << 30
+
+
+class CertificateTooLarge(Reject):
+    """The certificate would exceed CERT_BUDGET_BYTES: the candidate is left alone, unproven."""
+
+    def __init__(self, message: str, reducible: bool):
+        super().__init__(message)
+        self.reducible = reducible  # the reduction admitted the subgraph: too large even so
+
+
+def first_too_large(seen: Optional[CertificateTooLarge], e: CertificateTooLarge) -> CertificateTooLarge:
+    """The reason to report of several readings' CertificateTooLarge: the first one that the
+    reduction admitted (the others were refused, often by letters that do not fit)."""
+    return e if seen is None or e.reducible and not seen.reducible else seen
 
 
 @dataclass
@@ -255,7 +288,7 @@ def _complete(an: Analyzer, base: Spec) -> Spec:
     """The gate, initial state and final state: the first reading that certifies."""
     core = {base.q.node, base.k.node, base.v.node}
     nodes, frontier, _ = _slice(an, base.outputs(), core)
-    tried = 0
+    tried, too_large = 0, None
     for gate in _gate_options(an, base, nodes | frontier):
         cut = core | ({gate.g.node} if gate.g is not None else set())
         nodes, frontier, consts = _slice(an, [base.out], cut)
@@ -270,10 +303,13 @@ def _complete(an: Analyzer, base: Spec) -> Spec:
                     continue
                 tried += 1
                 if tried > MAX_CANDIDATES:
-                    raise Reject("too many ways to read the gate and states by shape")
-                if certify(an, spec):
-                    return spec
-    raise Reject("no reading of the chunked computation as GLA was certified")
+                    raise too_large or Reject("too many ways to read the gate and states by shape")
+                try:
+                    if certify(an, spec):
+                        return spec
+                except CertificateTooLarge as e:
+                    too_large = first_too_large(too_large, e)
+    raise too_large or Reject("no reading of the chunked computation as GLA was certified")
 
 
 def _gate_options(an: Analyzer, base: Spec, nodes: set):
@@ -297,21 +333,26 @@ def _with_fitted_gamma(an: Analyzer, spec: Spec) -> Optional[Spec]:
     """A constant decay per head that the code holds as numbers (0.9 ** distance), read off
     one probe run: q at step 1 reading k, v of step 0 gives scale * exp(gamma[h]). Only a
     guess: the certificate then checks it."""
-    sizes = spec.sizes
-    if sizes["t"] < 2 or any(lf.select or lf.unflatten for lf in (spec.q, spec.k, spec.v)):
+    if spec.sizes["t"] < 2 or any(lf.select or lf.unflatten for lf in (spec.q, spec.k, spec.v)):
         return None
     leaves = spec.leaves()
     nodes, frontier, consts = _slice(an, [spec.out], set(leaves.values()))
     if frontier or not _evaluate(an, consts) or any(len(g) > 1 for g in spec.out_groups):
         return None
+    try:
+        plan = _plan(an, spec, nodes, consts, [spec.out])
+    except CertificateTooLarge:
+        return None
+    sizes = plan.spec.sizes
     probe = {r: torch.zeros(sizes["b"], sizes["t"], sizes["h"], sizes[d]) for r, d in (("q", "k"), ("k", "k"), ("v", "v"))}
     probe["q"][:, 1, :, 0] = probe["k"][:, 0, :, 0] = probe["v"][:, 0, :, 0] = 1.0
     args = []
-    for role, n in leaves.items():
+    for role in leaves:
         lf = {"q": spec.q, "k": spec.k, "v": spec.v}.get(role)
-        args.append(_unlift(probe[role], lf.letters) if lf else torch.zeros(tuple(example_value(n).shape)))
+        args.append(_unlift(probe[role], lf.letters) if lf else torch.zeros(plan.shapes[role]))
     try:
-        (o,) = _F64(_slice_module(an, nodes, consts, leaves, [spec.out])).run(*[a.double() for a in args])
+        with _one_thread(plan.reduced):
+            (o,) = _F64(plan.original).run(*[a.double() for a in args])
     except Exception:  # noqa: BLE001 - no reading: no candidate
         return None
     letters = "".join(spec.out_groups).replace("1", "")
@@ -323,7 +364,12 @@ def _with_fitted_gamma(an: Analyzer, spec: Spec) -> Optional[Spec]:
     decay = o[:, 1, :, 0] / spec.scale
     if not bool((decay > 0).all()) or not torch.allclose(decay, decay[:1].expand_as(decay)):
         return None
-    return replace(spec, gate="constant", gamma=tuple(decay[0].log().tolist()))
+    gamma = decay[0].log().tolist()
+    if len(gamma) != spec.sizes["h"]:  # read at fewer heads, proven alike: the same for all
+        if len(set(gamma)) != 1:
+            return None
+        gamma = gamma[:1] * spec.sizes["h"]
+    return replace(spec, gate="constant", gamma=tuple(gamma))
 
 
 def _unlift(x: torch.Tensor, letters: str) -> torch.Tensor:
@@ -489,13 +535,81 @@ def certify(an: Analyzer, spec: Spec) -> bool:
     key = _structure(an, spec, nodes, consts, leaves)
     if key in _CERTIFIED:
         return _CERTIFIED[key]
-    original = _slice_module(an, nodes, consts, leaves, spec.outputs())
-    rewritten = _emission_module(an, spec)
-    ok = all(_agree(original, rewritten, leaves, seed, spec.gate_is_log) for seed in (0, 1))
+    plan = _plan(an, spec, nodes, consts, spec.outputs())
+    rewritten = _emission_module(an, plan.spec, plan.shapes)
+    counters["gla_inductor"]["certificates_reduced" if plan.reduced else "certificates_full"] += 1
+    with _one_thread(plan.reduced):
+        ok = all(_agree(plan.original, rewritten, plan.shapes, seed, spec.gate_is_log) for seed in (0, 1))
     if len(_CERTIFIED) > 256:
         _CERTIFIED.clear()
     _CERTIFIED[key] = ok
     return ok
+
+
+@dataclass
+class _Plan:
+    """What the certificate runs: the original subgraph, the spec and the inputs' shapes, at
+    reduced sizes or at full size."""
+
+    original: fx.GraphModule
+    spec: Spec
+    shapes: dict  # leaf role -> shape
+    reduced: bool
+
+
+def _plan(an: Analyzer, spec: Spec, nodes: set, consts: dict, outputs: list) -> _Plan:
+    """At 2 batches and 2 heads where the subgraph is proven to treat them all alike, else at
+    full size; CertificateTooLarge past the memory budget."""
+    leaves = spec.leaves()
+    reducible = False
+    try:
+        red = shrink.reduce(spec, nodes, consts, outputs, an.order)
+    except shrink.Refuse as e:
+        why = str(e)
+    except Exception as e:  # noqa: BLE001 - a reduction not made is only a costlier certificate
+        log.info("gla_inductor: the certificate's reduction failed", exc_info=True)
+        why = f"the reduction failed ({type(e).__name__})"
+    else:
+        reducible = True
+        need = _bytes(an, nodes, outputs, lambda n: red.numel.get(n, 0), red.shapes, red.consts)
+        if need <= CERT_BUDGET_BYTES:
+            module = _slice_module(an, nodes, red.consts, leaves, outputs, red.remake)
+            return _Plan(module, replace(spec, sizes=red.sizes, gamma=red.gamma), red.shapes, True)
+        why = f"even at {shrink.KEEP} batches and heads it needs ~{need / 2**30:.1f} GiB"
+    shapes = {r: tuple(example_value(n).shape) for r, n in leaves.items()}
+    need = _bytes(an, nodes, outputs, lambda n: _numel(example_value(n)), shapes, consts)
+    if need > CERT_BUDGET_BYTES:
+        raise CertificateTooLarge(
+            f"the float64 certificate needs ~{need / 2**30:.1f} GiB at full size (budget "
+            f"{CERT_BUDGET_BYTES / 2**30:.1f} GiB), and fewer batches and heads will not do: {why}", reducible)
+    return _Plan(_slice_module(an, nodes, consts, leaves, outputs), spec, shapes, False)
+
+
+@contextlib.contextmanager
+def _one_thread(on: bool):
+    """At reduced sizes the certificate is thousands of small ops (the reference recurrence
+    steps through time): intra-op threads only synchronize, and on a busy host that made it
+    ~50x slower (3 s -> 200 s at Mamba2 1.3B sizes, 2 threads, load 3 on 2 cores)."""
+    saved = torch.get_num_threads()
+    if on:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if on:
+            torch.set_num_threads(saved)
+
+
+def _bytes(an: Analyzer, nodes: set, outputs: list, numel, shapes: dict, consts: dict) -> int:
+    """Estimated float64 memory of a certificate: the inputs (twice: the replacement lifts
+    them), the constants and the original's live intermediates at their peak."""
+    inputs = 2 * sum(math.prod(s) for s in shapes.values())
+    fixed = sum(c.numel() for c in consts.values() if isinstance(c, torch.Tensor))
+    return 8 * (inputs + fixed) + shrink.peak_bytes(sorted(nodes, key=an.order.__getitem__), numel, outputs)
+
+
+def _numel(val) -> int:
+    return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
 def _evaluate(an: Analyzer, consts: dict) -> bool:
@@ -546,7 +660,10 @@ def _digest(val) -> tuple:
     return (repr(val),)
 
 
-def _slice_module(an: Analyzer, nodes: set, consts: dict, leaves: dict, outputs: list) -> fx.GraphModule:
+def _slice_module(an: Analyzer, nodes: set, consts: dict, leaves: dict, outputs: list,
+                  remake: Optional[dict] = None) -> fx.GraphModule:
+    """The subgraph as a module of the leaves; `remake`: nodes rebuilt with other arguments
+    (op, target, args, kwargs), the sizes of the reduced certificate."""
     g = fx.Graph()
     root = torch.nn.Module()
     env: dict = {}
@@ -559,18 +676,26 @@ def _slice_module(an: Analyzer, nodes: set, consts: dict, leaves: dict, outputs:
         else:
             env[n] = val
     for n in sorted(nodes, key=an.order.__getitem__):
-        env[n] = g.node_copy(n, lambda x: env[x])
+        if remake and n in remake:
+            op, target, args, kwargs = fx.node.map_arg(remake[n], env.__getitem__)
+            env[n] = g.create_node(op, target, args, kwargs)
+        else:
+            env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(root, g)
 
 
-def _emission_module(an: Analyzer, spec: Spec) -> fx.GraphModule:
-    """The replacement alone, on placeholders for the spec's inputs."""
+def _emission_module(an: Analyzer, spec: Spec, shapes: dict) -> fx.GraphModule:
+    """The replacement alone, on placeholders for the spec's inputs of the given shapes."""
     g = fx.Graph()
     nodes = {}
     for role, n in spec.leaves().items():
         nodes[role] = g.placeholder(role)
-        nodes[role].meta["example_value"] = example_value(n)
+        val = example_value(n)
+        if tuple(val.shape) != shapes[role]:
+            with _fake_mode(an.graph):
+                val = torch.empty(shapes[role], dtype=val.dtype, device=val.device)
+        nodes[role].meta["example_value"] = val
     out = g.output(None)
     em = Emitter(Transaction(g), out, spec.sizes, spec.splits)
     outs = emit(em, spec, nodes)
@@ -578,11 +703,10 @@ def _emission_module(an: Analyzer, spec: Spec) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def _agree(original, rewritten, leaves: dict, seed: int, gate_is_log: bool = True) -> bool:
+def _agree(original, rewritten, shapes: dict, seed: int, gate_is_log: bool = True) -> bool:
     gen = torch.Generator().manual_seed(seed)
     args = []
-    for role, n in leaves.items():
-        shape = tuple(example_value(n).shape)
+    for role, shape in shapes.items():
         x = torch.randn(shape, generator=gen, dtype=torch.float64)
         if role == "g":  # a log decay per step: negative, away from 0 and from -inf
             x = -(torch.rand(shape, generator=gen, dtype=torch.float64) * 0.9 + 0.05)
