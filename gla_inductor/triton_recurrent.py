@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .cuda_dispatch import gate_kind
 from .templates.standalone import OUT, render
-from .triton_chunk import MAX_GRID_YZ, _interpreting, _max_offset, _pow2
+from .triton_chunk import MAX_GRID_YZ, _interpreting, _needs_int64, _pow2
 
 __all__ = ["RecurrentConfig", "default_recurrent_config", "fused_recurrent_triton", "recurrent_grid",
            "recurrent_options", "recurrent_supports"]
@@ -134,7 +134,7 @@ def fused_recurrent_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
     present = {n: t for n, t in tensors.items() if t is not None}
     ndims = {n: t.dim() for n, t in present.items()}
     ndims[OUT] = o.dim()
-    int64_index = max(_max_offset(t) for t in (*present.values(), o)) >= 2**31
+    int64_index = any(_needs_int64(t) for t in (*present.values(), o))
     kernel = render(("gla_recurrent", "gla_common"), "gla_recurrent", options, ndims, int64_index)
     kernel(recurrent_grid(B, H, V, cfg.block_v), present, o, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o
