@@ -12,6 +12,7 @@ import argparse
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ def main():
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--dump")
+    p.add_argument("--fp32", action="store_true", help="fp32 inputs under 'highest' precision ('ieee' dots)")
     p.add_argument("--k", type=int, default=128)
     p.add_argument("--v", type=int, default=128)
     p.add_argument("--no-specialize", action="store_true", help="sizes without divisibility (as before)")
@@ -57,8 +59,8 @@ def main():
     cfg = triton_chunk.default_config(8, 2048, 16, args.k, args.v, torch.bfloat16, args.gate == "vector",
                                       torch.device("cpu"))
     cfg = triton_chunk.ChunkConfig(**{**cfg.__dict__, "block_t": args.bt})
-    options = triton_chunk.kernel_options(cfg, torch.bfloat16, args.k, args.gate, args.k ** -0.5, False, False,
-                                          GateFn())
+    dtype = torch.float32 if args.fp32 else torch.bfloat16
+    options = triton_chunk.kernel_options(cfg, dtype, args.k, args.gate, args.k ** -0.5, False, False, GateFn())
     options.update(extra, BV=args.bv)
     ranks = {n: r for n, (r, _) in TENSORS.items()}
     ranks[standalone.OUT] = out_rank
@@ -75,7 +77,7 @@ def main():
     spec.loader.exec_module(module)
     fn = getattr(module, template)
 
-    dtypes = {n: d for n, (_, d) in TENSORS.items()}
+    dtypes = {n: "fp32" if args.fp32 else d for n, (_, d) in TENSORS.items()}
     dtypes[standalone.OUT] = out_dtype
     # as Triton specializes the arguments at run time: contiguous last dims give strides equal to 1
     # (compiled in as constants), the other strides and the pointers are multiples of 16
@@ -100,6 +102,7 @@ def main():
     constexprs = {(fn.arg_names.index(n),): (1 if n in ones else None) for n, t in signature.items()
                   if t == "constexpr"}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=args.warps, num_stages=args.stages))
     ptx = compiled.asm["ptx"]
@@ -108,6 +111,7 @@ def main():
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx_path), "-o", os.devnull],
                          capture_output=True, text=True)
+    print(f"compiled in {time.perf_counter() - start:.1f} s (triton.compile and ptxas, this CPU)")
     print("\n".join(l for l in res.stderr.splitlines() if "Used" in l or "spill" in l))
     if args.dump:
         out = Path(args.dump)
