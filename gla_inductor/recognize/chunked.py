@@ -122,6 +122,8 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
     from . import chunk_loop, parallel
 
     matches, near = [], []
+    if not _may_hold_chunks(an.graph):
+        return matches, near
     seeds = _seeds(an)
     loops = chunk_loop.find(an, seeds)
     in_loops = {e for asm, _ in loops for e in asm.elements}
@@ -158,6 +160,28 @@ class Roles:
     def time(self, pos: int) -> tuple:
         """The variables of a time axis at chunk position `pos`."""
         return (pos,) if self.c is None else (self.c, pos)
+
+
+# Ops that relate positions within a chunk: masks, segment sums, decay tables from positions.
+_POSITION_OPS = {"tril", "triu", "tril_", "triu_", "cumsum", "masked_fill", "masked_fill_", "where", "arange",
+                 "lt", "le", "gt", "ge", "logcumsumexp", "tril_indices", "triu_indices"}
+
+
+def _may_hold_chunks(graph: fx.Graph) -> bool:
+    """A cheap precondition: the intra-chunk term decays or masks pairs of positions, so the graph
+    builds such a relation (a mask, a cumulative sum, positions from arange) or reads a table of it
+    ([..., C, C] input or attribute). Graphs without one (a time loop unrolled by Dynamo) skip the
+    normal form of every node that finding the intra-chunk monomials takes (~1 s at T = 1024)."""
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            val = example_value(n)
+            if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == val.shape[-2] >= 2:
+                return True
+        elif n.op in ("call_function", "call_method"):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+            if name in _POSITION_OPS:
+                return True
+    return False
 
 
 def _seeds(an: Analyzer) -> dict:
