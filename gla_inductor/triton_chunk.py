@@ -13,7 +13,8 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
   split: the scans only materialize states, and gla_chunk_output computes o (dv) chunk-parallel:
     forward   2 launches (states scan, output); backward 4 (states, dual states, dual output, dqkg).
     More HBM traffic, but the per-chunk work no longer sits on the scans' sequential path.
-  local (``ChunkConfig.local``, the default for vector gates from K = 128): gla_chunk_local computes
+  local (``ChunkConfig.local``, the default for vector gates from K = 128 and for other gates at
+    K = 256, ``local_schedule``): gla_chunk_local computes
     every chunk's state-independent terms in parallel (decayed q and k, scores, chunk decay), and
     gla_chunk_carry scans them with three dots per chunk:
     forward   2 launches (local, carry); backward 4 (local with the scores' transpose, states carry,
@@ -87,8 +88,9 @@ class ChunkConfig:
     dqkg: TileConfig  # gla_chunk_bwd_dqkg; block_k must cover K for scalar and constant gates
     states_dtype: torch.dtype  # the per-chunk states h and dh in HBM
     split: bool = False
-    # the forward's schedule: gla_chunk_local (chunk-parallel: the gate, decayed q and k, intra-chunk
-    # scores) then gla_chunk_carry (the scan, three dots per chunk); False: gla_chunk_scan alone
+    # the local schedule, forward and backward: gla_chunk_local (chunk-parallel: the gate, decayed q
+    # and k, intra-chunk scores) then gla_chunk_carry (the scans, three dots per chunk); False: the
+    # fused (or split) schedule of gla_chunk_scan
     local: bool = False
     local_tile: TileConfig = TileConfig(block_v=0, num_warps=8, num_stages=2)
     carry: TileConfig = TileConfig(block_v=64, num_warps=4, num_stages=2)
