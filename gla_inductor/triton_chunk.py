@@ -135,6 +135,16 @@ def local_key_slice(BK: int) -> int:
     return BK if BK <= 128 else 64
 
 
+def local_terms(options: dict, B, T, H, K, NT, block_t: int) -> dict:
+    """Shape and dtype of each of gla_chunk_local's outputs, for the kernel ``options``: qs (its main
+    output), ks, A in the dot dtype; dl fp32, None without a gate. Sizes may be symbolic (lowerings)."""
+    dtype = torch.bfloat16 if options["DOT_DTYPE"] == "tl.bfloat16" else torch.float32
+    gated = options["USE_GK"] or options["USE_G"] or options["USE_G_GAMMA"]
+    dl = ((B, NT, H, K) if options["USE_GK"] else (B, NT, H), torch.float32)
+    return dict(qs=((B, T, H, K), dtype), ks=((B, T, H, K), dtype), A=((B, T, H, block_t), dtype),
+                dl=dl if gated else None)
+
+
 def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
     """Vector-gate scans with 4 warps at K = 128 hit an illegal memory access on an H100 with triton
     3.6 (BV = 32; seen at HEAD before the fused gates too): a miscompile, avoided by never choosing
@@ -308,17 +318,13 @@ class _Launcher:
 
     def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """gla_chunk_local: (qs, ks, A, dl), see the template."""
-        tiles = self.cfg.local_tile
         NT = math.ceil(self.T / self.cfg.block_t)
-        dtype = torch.bfloat16 if self.options["DOT_DTYPE"] == "tl.bfloat16" else torch.float32
-        qs, ks = (torch.empty(self.B, self.T, self.H, self.K, dtype=dtype, device=self.device) for _ in range(2))
-        A = torch.empty(self.B, self.T, self.H, self.cfg.block_t, dtype=dtype, device=self.device)
-        gated = self.options["USE_GK"] or self.options["USE_G"] or self.options["USE_G_GAMMA"]
-        dl_shape = (self.B, NT, self.H, self.K) if self.options["USE_GK"] else (self.B, NT, self.H)
-        dl = torch.empty(dl_shape, dtype=torch.float32, device=self.device) if gated else None
+        terms = local_terms(self.options, self.B, self.T, self.H, self.K, NT, self.cfg.block_t)
+        qs, ks, A, dl = (None if t is None else torch.empty(t[0], dtype=t[1], device=self.device)
+                         for t in terms.values())
         options = dict(self.options, TRANSPOSE=transpose, BKS=local_key_slice(self.options["BK"]))
         tensors = dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl)
-        _launch("gla_chunk_local", options, tensors, qs, (NT, self.B * self.H), tiles)
+        _launch("gla_chunk_local", options, tensors, qs, (NT, self.B * self.H), self.cfg.local_tile)
         return qs, ks, A, dl
 
     def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,

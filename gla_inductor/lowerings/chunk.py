@@ -34,7 +34,7 @@ from ..cuda_dispatch import _unsupported, gate_kind
 from ..gates import GateFn
 from ..templates.standalone import OUT, load_template, render_source
 from ..triton_chunk import (ChunkConfig, TileConfig, default_config, dqkg_block_k, faulting_tile, kernel_options,
-                            local_key_slice)
+                            local_key_slice, local_terms)
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -212,18 +212,13 @@ class _Plan:
     def local(self, q, k, *, transpose: bool):
         """gla_chunk_local: (qs, ks, A, dl), the chunk-local terms (see the template); dl is None
         without a gate."""
-        dtype = torch.bfloat16 if self.options["DOT_DTYPE"] == "tl.bfloat16" else torch.float32
-        B, T, H, K, NT = self.B, self.T, self.H, self.K, _cdiv(self.T, self.cfg.block_t)
-        ks = _empty((B, T, H, K), dtype, self.device)
-        A = _empty((B, T, H, self.cfg.block_t), dtype, self.device)
-        opts = self.options
-        dl = None
-        if opts["USE_GK"] or opts["USE_G"] or opts["USE_G_GAMMA"]:
-            dl = _empty((B, NT, H, K) if opts["USE_GK"] else (B, NT, H), torch.float32, self.device)
+        B, T, H, K, block_t = self.B, self.T, self.H, self.K, self.cfg.block_t
+        terms = local_terms(self.options, B, T, H, K, _cdiv(T, block_t), block_t)
+        ks, A, dl = (None if terms[n] is None else _empty(*terms[n], self.device) for n in ("ks", "A", "dl"))
         tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl).items() if t is not None}
-        tiles = self.cfg.local_tile
-        qs = self._select(LOCAL, dict(opts, TRANSPOSE=transpose, BKS=local_key_slice(opts["BK"])), tensors, _layout(self.device, dtype, (B, T, H, K)),
-                          [T, B * H], [dict(tiles=tiles)])
+        options = dict(self.options, TRANSPOSE=transpose, BKS=local_key_slice(self.options["BK"]))
+        qs = self._select(LOCAL, options, tensors, _layout(self.device, terms["qs"][1], terms["qs"][0]), [T, B * H],
+                          [dict(tiles=self.cfg.local_tile)])
         return qs, ks, A, dl
 
     def carry(self, layout, *, write_out: bool, dual: bool, store_states: bool, **tensors):
