@@ -11,12 +11,11 @@ compared with the same code run eagerly in float64.
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from gla_inductor.backend import rewrite
 from gla_inductor.recognize import chunked, shrink
-from spellings import SPELLINGS, _ssd_inputs, segment_sum
+from spellings import SPELLINGS, chunked_hf_einsum
 
 FP32_TOL = 1e-5
 B, T, H, G, N, P = 4, 9, 8, 2, 3, 5  # T = 9 over chunks of 4: a padded last chunk
@@ -85,28 +84,7 @@ def rewrites() -> int:
 
 
 # ---- the scan, with hooks -----------------------------------------------------------------------
-def ssd(x, dt, A, Bg, Cg, h0, on_diag=None, on_final=None):
-    """transformers 5.x `mamba2_chunk_scan` (tests/spellings.py's chunked_hf_einsum), with
-    hooks on the intra-chunk term [b, c, l, h, p] and on the final state [b, h, p, n]."""
-    x, A, B_, C_, seq = _ssd_inputs(x, dt, A, Bg, Cg)
-    A = A.permute(0, 3, 1, 2)
-    A_cumsum = torch.cumsum(A, dim=-1)
-    L = torch.exp(segment_sum(A))
-    G_ = torch.einsum("bclhn,bcshn->bclsh", C_, B_)
-    Y_diag = torch.einsum("bclsh,bcshp->bclhp", G_ * L.permute(0, 2, 3, 4, 1), x)
-    if on_diag is not None:
-        Y_diag = on_diag(Y_diag)
-    decay_states = torch.exp(A_cumsum[:, :, :, -1:] - A_cumsum)
-    states = torch.einsum("bclhn,bclhp->bchpn", B_ * decay_states.permute(0, -2, -1, 1)[..., None], x)
-    states = torch.cat([h0[:, None].to(states.dtype), states], dim=1)
-    decay_chunk = torch.exp(segment_sum(F.pad(A_cumsum[:, :, :, -1], (1, 0)))).transpose(1, 3)
-    new_states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)
-    states, final = new_states[:, :-1], new_states[:, -1]
-    if on_final is not None:
-        final = on_final(final)
-    Y_off = torch.einsum("bclhn,bchpn->bclhp", C_, states) * torch.exp(A_cumsum).permute(0, 2, 3, 1)[..., None]
-    y = (Y_diag + Y_off).contiguous().reshape(x.shape[0], -1, x.shape[3], x.shape[4])
-    return y[:, :seq], final
+ssd = chunked_hf_einsum  # with its hooks on the intra-chunk term and the final state
 
 
 def ssd_inputs(b=B, h=H):
