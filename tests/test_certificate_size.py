@@ -14,8 +14,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from gla_inductor.backend import rewrite
-from gla_inductor.recognize import chunked, shrink
-from spellings import SPELLINGS, chunked_hf_einsum
+from gla_inductor.recognize import chunked, shrink, summed_products
+from spellings import SPELLINGS, chunked_hf_broadcast, chunked_hf_einsum
 
 FP32_TOL = 1e-5
 B, T, H, G, N, P = 4, 9, 8, 2, 3, 5  # T = 9 over chunks of 4: a padded last chunk
@@ -131,6 +131,41 @@ def test_certificate_cache_is_keyed_by_sizes():
     run(ssd, ssd_inputs(b=6, h=4))
     assert rewrites() == 3
     assert certificates() == {"reduced": 2, "full": 0}
+
+
+# ---- broadcast-multiply-sums, certified without their products ------------------------------------
+def test_broadcast_products_are_not_materialized(monkeypatch):
+    """transformers <= 5.17 spells the scan's contractions as broadcast products summed over an
+    axis ([b, c, l, l, h, n] and larger at model sizes): the certificate evaluates each as an
+    einsum, and its estimate counts no product. Here (state size 64) the reduced certificate
+    needs ~227 KiB so, ~348 KiB with the products: a budget between them rewrites the scan,
+    and only with the products left out."""
+    monkeypatch.setattr(chunked, "CERT_BUDGET_BYTES", 288 << 10)
+    args = (torch.randn(B, T, H, P), torch.randn(B, T, H), -torch.rand(H), torch.randn(B, T, G, 64),
+            torch.randn(B, T, G, 64), torch.randn(B, H, P, 64))
+    assert run(chunked_hf_broadcast, args) == []
+    assert rewrites() == 1 and certificates() == {"reduced": 1, "full": 0}
+
+    torch._dynamo.reset()
+    chunked._CERTIFIED.clear()
+    monkeypatch.setattr(summed_products, "summed_product", lambda n: False)
+    assert any("GiB at full size" in r for r in run(chunked_hf_broadcast, args))
+    assert rewrites() == 1
+
+
+@pytest.mark.parametrize("a_shape, b_shape, dim, keepdim", [
+    ((2, 3, 1, 5), (2, 1, 4, 5), -1, False),  # a broadcast outer product, summed over the last axis
+    ((2, 3, 4, 1), (1, 3, 4, 6), 2, True),
+    ((3, 4), (2, 3, 4), (0, 2), False),  # operands of different rank
+    ((2, 1, 4), (2, 3, 1), None, False),  # a full sum
+    ((2, 3, 1), (2, 3, 1), -1, False),  # a sum over a size-1 axis both share
+])
+def test_sum_of_product_is_the_sum_of_the_product(a_shape, b_shape, dim, keepdim):
+    a, b = torch.randn(a_shape, dtype=torch.float64), torch.randn(b_shape, dtype=torch.float64)
+    want = (a * b).sum() if dim is None else (a * b).sum(dim, keepdim=keepdim)
+    got = summed_products.sum_of_product(a, b, dim, keepdim)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 # ---- (b) alike at 2 batches and 2 heads, not at full size ----------------------------------------

@@ -55,7 +55,7 @@ from .algebra import _VIEW_OPS, AV, Analyzer, Factor, comps, factor_vars, mono_v
 from .consts import example_value, is_inplace, written_args
 from .emit import Emitter, Group, LFactor, Transaction, _fake_mode
 from .match import Match, NearMiss, Reject
-from . import placement, shrink
+from . import placement, shrink, summed_products
 
 log = logging.getLogger("gla_inductor")
 
@@ -629,7 +629,10 @@ def _bytes(an: Analyzer, nodes: set, outputs: list, numel, shapes: dict, consts:
     them), the constants and the original's live intermediates at their peak."""
     inputs = 2 * sum(math.prod(s) for s in shapes.values())
     fixed = sum(c.numel() for c in consts.values() if isinstance(c, torch.Tensor))
-    return 8 * (inputs + fixed) + shrink.peak_bytes(sorted(nodes, key=an.order.__getitem__), numel, outputs)
+    order = sorted(nodes, key=an.order.__getitem__)
+    fused = {n for n in order if summed_products.summed_product(n) and n not in outputs and set(n.users) <= nodes}
+    held = lambda n: 0 if n in fused else numel(n)  # noqa: E731 - the product is never materialized
+    return 8 * (inputs + fixed) + shrink.peak_bytes(order, held, outputs)
 
 
 def _numel(val) -> int:
@@ -706,7 +709,7 @@ def _slice_module(an: Analyzer, nodes: set, consts: dict, leaves: dict, outputs:
         else:
             env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(root, g)
+    return summed_products.fuse(fx.GraphModule(root, g))
 
 
 def _emission_module(an: Analyzer, spec: Spec, shapes: dict) -> fx.GraphModule:
