@@ -49,7 +49,7 @@ def main():
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--dump")
-    p.add_argument("--fp32", action="store_true", help="fp32 inputs under 'highest' precision ('ieee' dots)")
+    p.add_argument("--fp32", action="store_true", help="fp32 inputs under 'highest' precision ('tf32x3' dots)")
     p.add_argument("--k", type=int, default=128)
     p.add_argument("--v", type=int, default=128)
     p.add_argument("--no-specialize", action="store_true", help="sizes without divisibility (as before)")
@@ -111,7 +111,8 @@ def main():
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx_path), "-o", os.devnull],
                          capture_output=True, text=True)
-    print(f"compiled in {time.perf_counter() - start:.1f} s (triton.compile and ptxas, this CPU)")
+    print(f"compiled in {time.perf_counter() - start:.1f} s (triton.compile and ptxas, this CPU); "
+          f"shared memory {compiled.metadata.shared} bytes (sm_90 limit 232448)")
     print("\n".join(l for l in res.stderr.splitlines() if "Used" in l or "spill" in l))
     if args.dump:
         out = Path(args.dump)

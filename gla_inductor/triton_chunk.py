@@ -114,11 +114,12 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
     2.77 ms at (8, 2048, 4, 256, 512); fewer programs than SMs, but each chunk's intra-chunk work
     is done once per 128 values instead of 64), other gates with 4 warps and BV = 64 up to K = 128
     (0.35 against 0.49 ms at (8, 2048, 16, 128, 128)). At K = 256 the two sweeps of the scalar
-    gate disagreed (4 warps 1.41 ms with a bf16 gate, 2.47 ms with an fp32 one): ``fallback``."""
+    gate disagreed (4 warps 1.41 ms with a bf16 gate, 2.47 ms with an fp32 one): ``fallback``,
+    whose stage count the others take too."""
     if vector_gate:
-        return TileConfig(block_v=min(BV, 128), num_warps=4 if BK <= 32 else 8, num_stages=2)
+        return TileConfig(block_v=min(BV, 128), num_warps=4 if BK <= 32 else 8, num_stages=fallback.num_stages)
     if BK <= 128:
-        return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=2)
+        return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=fallback.num_stages)
     return fallback
 
 
@@ -166,25 +167,33 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     # [BT, K] tiles of q, k, g and their gated copies dominate the registers of the fused scans; the
     # local schedule slices the keys (local_key_slice) and takes 64-step chunks at any K
     local = local_schedule(BK, vector_gate)
-    block_t = min(64 if BK <= 128 or local else 32, max(16, _pow2(T)))
+    wide_chunks = BK <= 128 or local and dtype != torch.float32  # fp32 at K > 128: see `stages`
+    block_t = min(64 if wide_chunks else 32, max(16, _pow2(T)))
     block_v = min(BV, 64 if BK <= 128 else 32)
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
             block_v //= 2
     warps = 4 if BK <= 32 else 8
-    scan = TileConfig(block_v=block_v, num_warps=warps, num_stages=2)
+    # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
+    # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
+    # for up to 320 KB of the H100's 227 KB (vector gate, K = 96); one stage fits, and at K > 128
+    # only with 32-step chunks (256 KB at 64)
+    stages = 1 if dtype == torch.float32 else 2
+    scan = TileConfig(block_v=block_v, num_warps=warps, num_stages=stages)
     return ChunkConfig(
         block_t,
         scan=forward_scan_tile(BK, BV, vector_gate, scan),
         states=scan,
         dual=scan,
-        output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2),
-        dqkg=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=2, block_k=min(BK, 64) if vector_gate else BK),
+        output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages),
+        dqkg=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages,
+                        block_k=min(BK, 64) if vector_gate else BK),
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
         local=local,
         # 8 warps for the [256, BV] state of K = 256 (4 warps spilled)
-        carry=TileConfig(block_v=64, num_warps=4 if BK <= 128 else 8, num_stages=2),
+        carry=TileConfig(block_v=64, num_warps=4 if BK <= 128 else 8, num_stages=stages),
+        local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
     )
 
 

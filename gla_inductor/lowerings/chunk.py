@@ -160,7 +160,8 @@ def _tile_choices(default: TileConfig, V: int, BK: int, vector_gate: bool) -> li
     tiles = [default]
     for block_v in (32, 64, 128):
         for num_warps in (4, 8):
-            t = TileConfig(block_v=min(block_v, widest), num_warps=num_warps, num_stages=2, block_k=default.block_k)
+            t = TileConfig(block_v=min(block_v, widest), num_warps=num_warps, num_stages=default.num_stages,
+                           block_k=default.block_k)  # one stage for fp32 (default_config says why)
             if t not in tiles and not faulting_tile(BK, t, vector_gate):
                 tiles.append(t)
     return tiles
