@@ -282,6 +282,15 @@ def unsplit_scans():
         ir.Scan.num_splits = real
 
 
+def protect_compiled(ph, variant: str, compiled) -> None:
+    """Run a compiled variant; Inductor once more with unsplit scans if it failed (the row says so)."""
+    if ph.protect(variant, compiled) is None and variant == "inductor":
+        torch._dynamo.reset()
+        free(ph.device)
+        with unsplit_scans():
+            ph.protect(variant, lambda: compiled(variant, True))
+
+
 NO_SPLIT_NOTE = "scans unsplit: default Inductor failed to compile (SplitScan codegen error)"
 
 
@@ -434,11 +443,7 @@ def run_mixer(ph: Phase, s: MixerShape):
                     ph.log({"phase": ph.name, "variant": variant, **errors(out, ref["out"])})
                 return r
 
-            if ph.protect(variant, compiled) is None and variant == "inductor":
-                torch._dynamo.reset()
-                free(dev)
-                with unsplit_scans():
-                    ph.protect(variant, lambda: compiled(variant, True))
+            protect_compiled(ph, variant, compiled)
             torch._dynamo.reset()
             free(dev)
 
@@ -522,7 +527,7 @@ def run_prefill(ph: Phase, m: ModelShape):
         free(dev)
 
         for variant in ["ours"] + (["inductor"] if ph.setup.inductor else []):
-            def compiled(variant=variant):
+            def compiled(variant=variant, unsplit=False):
                 fn = make_compiled(variant, model)
                 out, first, warm = timed_first_calls(full(fn), dev)
                 stats = compile_stats()
@@ -531,7 +536,8 @@ def run_prefill(ph: Phase, m: ModelShape):
                 r = ph.row(variant, ms=ms[0], ms_p20=ms[1], ms_p80=ms[2], compile_s=first - warm, first_call_s=first,
                            recompiles_while_timed=recompiled, **stats,
                            rewrite_log=list(RECORDER.graphs) if variant == "ours" else None,
-                           peak_mib=peak_mib(lambda: fn(ids, use_cache=True).logits, dev))
+                           peak_mib=peak_mib(lambda: fn(ids, use_cache=True).logits, dev),
+                           note=NO_SPLIT_NOTE if unsplit else None)
                 if "logits" in ref:
                     r.update(errors(out.logits, ref["logits"]))
                 if "states" in ref:
@@ -540,7 +546,7 @@ def run_prefill(ph: Phase, m: ModelShape):
                 ph.log({k: v for k, v in r.items() if "err" in k or k == "variant"})
                 return r
 
-            ph.protect(variant, compiled)
+            protect_compiled(ph, variant, compiled)
             torch._dynamo.reset()
             free(dev)
     ph.info.update(summary(ph, expected_rewrites=m.layers))
