@@ -79,7 +79,7 @@ def chunk_fwd_cuda(q, k, v, g, g_gamma, initial_state, scale, output_final_state
     if reason is not None:
         _note_fallback(reason)
         g = ops._plain_gate(q, k, v, g, gate, gate_a, gate_bias, initial_state) if fused else g
-        return ops._chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
+        return ops._fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
     return chunk_fwd_triton(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, gate=gate,
                             gate_a=gate_a, gate_bias=gate_bias)
 
@@ -88,7 +88,8 @@ def _chunk_fwd_recurrent(q, k, v, g, g_gamma, initial_state, scale, output_final
     """chunk_fwd's contract on the recurrent kernel: a fresh fp32 final state, or an empty [0]."""
     from .triton_recurrent import fused_recurrent_triton
 
-    B, _, H, K = q.shape
+    B, _, _, K = q.shape
+    H = v.shape[2]  # q and k may have fewer heads (grouped)
     ht = q.new_empty((B, H, K, v.shape[-1]) if output_final_state else (0,), dtype=torch.float32)
     o = fused_recurrent_triton(q, k, v, g, g_gamma, initial_state, ht if output_final_state else None, scale,
                                reverse)
@@ -105,7 +106,7 @@ def chunk_bwd_cuda(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, 
         _note_fallback(reason)
         if gate is not None and gate.name:
             g = ops._plain_gate(q, k, v, g, gate, gate_a, gate_bias, initial_state)
-        return ops._chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+        return ops._bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
     return chunk_bwd_triton(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate=gate, gate_a=gate_a,
                             gate_bias=gate_bias)
 

@@ -594,6 +594,48 @@ def _split_gate_grad(dgate, T, reverse, q, g, g_gamma) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------------------------
 
 
+# Grouped heads: q, k [B, T, G, K] shared by groups of H / G heads of v (GQA; Mamba2's C and B).
+
+
+def group_size(q: Tensor, v: Tensor) -> int:
+    """Heads of v per head of q and k: head h reads q/k head h // group_size, the order of
+    ``x.repeat_interleave(group_size, dim=2)``. 1 when they have as many heads."""
+    G, H = q.shape[2], v.shape[2]
+    return H // G if G else 1
+
+
+def repeat_groups(x: Tensor, H: int) -> Tensor:
+    """q or k [B, T, G, D] repeated to H heads (repeat_interleave order); x itself when G == H."""
+    G = x.shape[2]
+    return x if G == H else x.repeat_interleave(H // G, dim=2)
+
+
+def sum_groups(dx: Tensor, G: int, dtype: torch.dtype) -> Tensor:
+    """Per-head gradients [B, T, H, D] of a q or k shared by groups of heads, summed over each group
+    to [B, T, G, D] in dtype (the transpose of ``repeat_groups``; at least fp32 accumulation). dx
+    itself, cast, when G == H."""
+    if dx.shape[2] == G:
+        return dx if dx.dtype == dtype else dx.to(dtype)
+    acc = torch.promote_types(dx.dtype, torch.float32)
+    return dx.unflatten(2, (G, -1)).sum(3, dtype=acc).to(dtype)
+
+
+def _fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
+    """The chunked PyTorch forward (CPU, CUDA fallback), grouped q and k repeated to v's heads first:
+    not the path grouped heads are optimized for (the Triton kernels read them shared)."""
+    H = v.shape[2]
+    return _chunk_fwd_torch(repeat_groups(q, H), repeat_groups(k, H), v, g, g_gamma, initial_state, scale,
+                            output_final_state, reverse)
+
+
+def _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
+    """The chunked PyTorch backward on repeated q and k, their gradients summed back over the groups."""
+    H, G = v.shape[2], q.shape[2]
+    dq, dk, *rest = _chunk_bwd_torch(repeat_groups(q, H), repeat_groups(k, H), v, g, g_gamma, initial_state, do,
+                                     dht, scale, reverse)
+    return (sum_groups(dq, G, q.dtype), sum_groups(dk, G, k.dtype), *rest)
+
+
 @torch.library.custom_op("gla_inductor::chunk_fwd", mutates_args=())
 def chunk_fwd(
     q: Tensor,
@@ -614,6 +656,7 @@ def chunk_fwd(
 ) -> tuple[Tensor, Tensor]:
     """GLA forward. Returns (o [B, T, H, V], final state [B, H, K, V], or [0] when not requested).
 
+    q, k may be [B, T, G, K] with G dividing v's H heads: head h reads q/k head h // (H // G).
     With ``gate_fn``, g holds the input of that gate function (``gla_inductor.gates``)."""
     fn = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
     impl = _CUDA_IMPL["fwd"] if q.is_cuda else None
@@ -621,7 +664,7 @@ def chunk_fwd(
         return impl(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
                     gate=fn, gate_a=gate_a, gate_bias=gate_bias)
     g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
-    return _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
+    return _fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
 
 
 def _plain_gate(q, k, v, g, fn: GateFn, gate_a, gate_bias, initial_state) -> Optional[Tensor]:
@@ -642,8 +685,8 @@ def _register_lowerings() -> None:
 def _chunk_fwd_fake(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, gate_fn="",
                     gate_scale=1.0, gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):
     _register_lowerings()
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]  # q and k may have fewer heads than v (grouped)
     state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
     o = q.new_empty(B, T, H, V, dtype=_output_dtype(q, k, v))
     ht = q.new_empty((B, H, K, V) if output_final_state else (0,), dtype=state_dtype)
@@ -671,7 +714,8 @@ def chunk_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """GLA backward, recomputing the states from the inputs.
 
-    Returns (dq, dk, dv, dg, dg_gamma, dh0), each shaped like its input; [0] for an absent input.
+    Returns (dq, dk, dv, dg, dg_gamma, dh0), each shaped like its input (dq, dk grouped like q, k);
+    [0] for an absent input.
     With ``gate_fn``, dg is the gradient w.r.t. the log gate, in the compute dtype (fp32 or fp64),
     which ``gates.gate_grads`` turns into those w.r.t. the gate function's inputs.
     """
@@ -681,7 +725,7 @@ def chunk_bwd(
         return impl(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse,
                     gate=fn, gate_a=gate_a, gate_bias=gate_bias)
     g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
-    return _chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    return _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
 
 
 @chunk_bwd.register_fake
@@ -715,8 +759,7 @@ def _chunk_fwd_backward(ctx, do, dht):
     if not ctx.output_final_state:
         dht = None
     if do is None:
-        B, T, H, _ = q.shape
-        do = q.new_zeros(B, T, H, v.shape[-1], dtype=_output_dtype(q, k, v))
+        do = v.new_zeros(v.shape, dtype=_output_dtype(q, k, v))
     dq, dk, dv, dg, dg_gamma, dh0 = torch.ops.gla_inductor.chunk_bwd(
         q, k, v, g, g_gamma, initial_state, do, dht, ctx.scale, ctx.reverse,
         fn.name, fn.scale, fn.lo, fn.hi, gate_a, gate_bias,
@@ -772,8 +815,27 @@ def _check_shape(name: str, x: Tensor, q: Tensor, layout: str, expected: tuple) 
     )
 
 
-def _validate_inputs(q, k, v, g, g_gamma, initial_state) -> None:
-    """Clear errors for the public API (the ops themselves trust their callers)."""
+def _check_groups(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Grouped heads: k shaped like q, [B, T, G, K], and v [B, T, H, V] with H a multiple of G."""
+    B, T, G, K = q.shape
+    if k.dim() == 4 and k.shape[:2] == (B, T) and k.shape[2] != G and k.shape[3] == K:
+        raise ValueError(
+            f"chunk_gla: k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}; expected k to be "
+            f"[B, T, G, K] = {_shape_str((B, T, G, K))}: q and k must have the same number of heads G "
+            "(each shared by H / G heads of v)")
+    _check_shape("k", k, q, "[B, T, H, K]", (B, T, G, K))
+    H = v.shape[2] if v.dim() == 4 else -1
+    if v.dim() == 4 and v.shape[:2] == (B, T) and (H == G or G > 0 and H > 0 and H % G == 0):
+        return
+    raise ValueError(
+        f"chunk_gla: v has shape {tuple(v.shape)} but q has shape {tuple(q.shape)}; expected v to be "
+        f"[B, T, H, V] = {_shape_str((B, T, G, 'V'))}, or with H any multiple of q and k's {G} heads "
+        f"(grouped heads: head h reads q/k head h // (H / {G}))")
+
+
+def _validate_inputs(q, k, v, g, g_gamma, initial_state, grouped: bool = False) -> None:
+    """Clear errors for the public API (the ops themselves trust their callers). With grouped, q and
+    k may have fewer heads than v (a divisor of v's)."""
     named = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "initial_state": initial_state}
     for name, x in named.items():
         if x is not None or name in ("q", "k", "v"):
@@ -781,8 +843,12 @@ def _validate_inputs(q, k, v, g, g_gamma, initial_state) -> None:
     if q.dim() != 4:
         raise ValueError(f"chunk_gla: q has shape {tuple(q.shape)}; expected q to be 4-D [B, T, H, K]")
     B, T, H, K = q.shape
-    _check_shape("k", k, q, "[B, T, H, K]", (B, T, H, K))
-    _check_shape("v", v, q, "[B, T, H, V]", (B, T, H, None))
+    if grouped:
+        _check_groups(q, k, v)
+        H = v.shape[2]
+    else:
+        _check_shape("k", k, q, "[B, T, H, K]", (B, T, H, K))
+        _check_shape("v", v, q, "[B, T, H, V]", (B, T, H, None))
     if g is not None and g_gamma is not None:
         raise ValueError("chunk_gla: got both g and g_gamma; pass at most one gate")
     if g is not None and g.dim() == 3:
@@ -828,7 +894,10 @@ def chunk_gla(
     """Gated linear attention, FLA-compatible.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V].
+        q, k: [B, T, H, K]; v: [B, T, H, V]. Grouped heads (GQA, Mamba2's shared C and B): q, k may be
+            [B, T, G, K] with G dividing H; head h reads q/k head h // (H // G), as if they were
+            ``q.repeat_interleave(H // G, dim=2)``, without materializing that; their gradients
+            come back [B, T, G, K].
         g: per-step log gate, [B, T, H, K] (vector) or [B, T, H] (scalar). Usually <= 0.
         g_gamma: [H] constant log gate (g_t = g_gamma[h] at every step); at most one of g / g_gamma.
         scale: defaults to K ** -0.5.
@@ -846,7 +915,7 @@ def chunk_gla(
         o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
         (fp32, fp64 for fp64 inputs) or None.
     """
-    _validate_inputs(q, k, v, g, g_gamma, initial_state)
+    _validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True)
     fn = GateFn(gate_fn or "", float(gate_scale), _opt_float(gate_lo), _opt_float(gate_hi))
     _validate_gate(fn, q, g, gate_a, gate_bias)
     if scale is None:
@@ -873,7 +942,7 @@ def _validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias
     if fn.name == "logsigmoid" and (gate_a is not None or gate_bias is not None):
         raise ValueError("chunk_gla: gate_a and gate_bias belong to gate_fn='softplus'")
     if fn.name == "softplus":
-        H = q.shape[2]
+        H = g.shape[2]  # v's heads (q's may be fewer)
         heads = tuple(g.shape[2:])
         layout = "[H]" if g.dim() == 3 else "[H, K]"
         for name, x, want, want_layout in (("gate_a", gate_a, (H,), "[H]"), ("gate_bias", gate_bias, heads, layout)):

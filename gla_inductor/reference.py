@@ -6,7 +6,10 @@ Layout is [B, T, H, D]. Per (batch, head) the state S_t is a [K, V] matrix:
 
 g is a per-step LOG gate: vector [B, T, H, K], scalar [B, T, H] (one decay for all K),
 or constant g_gamma [H] (the same decay at every step). ``reverse=True`` runs the
-recurrence from t = T-1 down to 0.
+recurrence from t = T-1 down to 0. q and k may have fewer heads than v, [B, T, G, K] with G
+dividing H (grouped heads, GQA-style): head h reads q/k head h // (H // G), as
+``q.repeat_interleave(H // G, dim=2)`` would give it (the repeat is differentiable, so gradients
+come back summed over each group).
 
 Both functions compute in float64 when any input is float64 and in float32 otherwise,
 and return o and the final state in that compute dtype. They are differentiable, so
@@ -23,6 +26,16 @@ def _compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
+
+
+def _repeat_groups(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """q and k repeated to v's heads where they are grouped."""
+    G, H = q.shape[2], v.shape[2]
+    if G == H:
+        return q, k
+    if k.shape[2] != G or G == 0 or H % G:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need a head count dividing v's {H}")
+    return q.repeat_interleave(H // G, dim=2), k.repeat_interleave(H // G, dim=2)
 
 
 def _log_gate(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor], dtype: torch.dtype) -> Tensor:
@@ -55,6 +68,7 @@ def naive_recurrent_gla(
 
     Returns (o [B, T, H, V], final state [B, H, K, V] or None).
     """
+    q, k = _repeat_groups(q, k, v)
     dtype = _compute_dtype(q, k, v, g, g_gamma, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -103,6 +117,7 @@ def naive_parallel_gla(
         )
         return o.flip(1), ht
 
+    q, k = _repeat_groups(q, k, v)
     dtype = _compute_dtype(q, k, v, g, g_gamma, initial_state)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from .cuda_dispatch import gate_kind
 from .gates import GateFn
+from .ops import group_size, sum_groups
 from .templates.standalone import OUT, render
 
 __all__ = [
@@ -212,8 +213,8 @@ def triton_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("g_gamma", g_gamma), ("initial_state", initial_state)):
         if x is not None and x.dtype not in _SUPPORTED_DTYPES:
             return f"{name} dtype {x.dtype} (supported: float32, float16, bfloat16)"
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
     if K > MAX_K:
         return f"K = {K} > {MAX_K}"
     if V > MAX_V:
@@ -267,11 +268,12 @@ def _launch(template: str, options: dict, tensors: dict[str, Optional[Tensor]], 
 
 
 def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scale: float, reverse: bool,
-                   interpreting: bool, gate_fn: GateFn = GateFn()) -> dict:
+                   interpreting: bool, gate_fn: GateFn = GateFn(), group: int = 1) -> dict:
     """The options every GLA chunk kernel of one call shares (jinja variables and constexprs).
 
     ``gate`` is "vector", "scalar", "constant" or "none"; ``dtype`` the promoted q/k/v dtype;
-    ``gate_fn`` the function the kernels apply to g as they read it."""
+    ``gate_fn`` the function the kernels apply to g as they read it; ``group`` the heads of v per
+    head of q and k (``group_size``)."""
     # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
     on_bf16_cores = dtype == torch.bfloat16 and not interpreting
     f32_precision = cfg.f32_precision or (
@@ -286,6 +288,7 @@ def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scal
         SCALE=float(scale),
         DOT_DTYPE="tl.bfloat16" if on_bf16_cores else "tl.float32",
         F32_PRECISION=repr(f32_precision),  # options are code: a quoted string
+        GROUP=int(group),
         **gate_fn.kernel_options(),
     )
 
@@ -304,12 +307,12 @@ class _Launcher:
                  scale: float, reverse: bool, gate: GateFn, gate_a: Optional[Tensor], gate_bias: Optional[Tensor]):
         self.cfg = cfg
         self.device = q.device
-        self.B, self.T, self.H, self.K = q.shape
-        self.V = v.shape[-1]
+        self.B, self.T, _, self.K = q.shape
+        self.H, self.V = v.shape[2], v.shape[-1]  # q and k may have fewer heads (group_size)
         # every kernel that reads g also reads the fused gate's parameters (None unless "softplus")
         self.gates = dict(g=g, g_gamma=g_gamma, gate_a=gate_a, gate_bias=gate_bias)
         self.options = kernel_options(cfg, q.dtype, self.K, gate_kind(g, g_gamma), scale, reverse, _interpreting(),
-                                      gate)
+                                      gate, group_size(q, v))
 
     def states(self) -> Tensor:
         """An uninitialized [B, NT, H, K, V] per-chunk state buffer."""
@@ -364,12 +367,22 @@ class _Launcher:
         _launch("gla_chunk_bwd_dqkg", options, tensors, dq, grid, tiles)
 
 
+def _head_grad(x: Tensor, v: Tensor) -> Tensor:
+    """The buffer gla_chunk_bwd_dqkg writes the gradient of q or k into: like x, or, for a q or k shared
+    by groups of heads, one fp32 gradient per head of v, which ``sum_groups`` then reduces. The heads
+    of a group run in different programs: summing in the kernel would need atomics (nondeterministic,
+    and rounding every partial sum to a 16-bit dtype)."""
+    if x.shape[2] == v.shape[2]:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return torch.empty(*x.shape[:2], v.shape[2], x.shape[3], dtype=torch.float32, device=x.device)
+
+
 def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], config: Optional[ChunkConfig]):
     """q, k, v in their promoted dtype (copies only when they differ) and the config."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
     cfg = config or default_config(B, T, H, K, V, dtype, g is not None and g.dim() == 4, q.device)
     return q, k, v, cfg
 
@@ -382,8 +395,8 @@ def chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
 
     With ``gate`` (a fused gate function, ``gates.GateFn``), g is that function's input."""
     q, k, v, cfg = _prepare(q, k, v, g, config)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
     o = q.new_empty(B, T, H, V)
     ht = q.new_empty((B, H, K, V) if output_final_state else (0,), dtype=torch.float32)
     if T == 0:
@@ -413,18 +426,22 @@ def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
 
     With ``gate``, dg is the fp32 gradient w.r.t. the log gate (``gates.gate_grads`` goes on)."""
     gate = gate or GateFn()
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dq, dk = (_head_grad(x, v) for x in (q, k))
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dg_dtype = None if g is None else torch.float32 if gate.name else g.dtype
     dg = q.new_empty(0) if g is None else torch.empty(g.shape, dtype=dg_dtype, device=g.device)
     dh0 = q.new_empty(0) if initial_state is None else torch.empty(
         initial_state.shape, dtype=initial_state.dtype, device=initial_state.device)
+    G = q.shape[2]
+    q_dtype, k_dtype = q.dtype, k.dtype
     q, k, v, cfg = _prepare(q, k, v, g, config)
-    B, T, H, K = q.shape
+    B, T, H = v.shape[:3]
     if T == 0:
         for x in (dq, dk, dv, dg):
             x.zero_()
         if initial_state is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        dq, dk = sum_groups(dq, G, q_dtype), sum_groups(dk, G, k_dtype)
         return dq, dk, dv, dg, (q.new_empty(0) if g_gamma is None else torch.zeros_like(g_gamma)), dh0
 
     run = _Launcher(cfg, q, v, g, g_gamma, scale, reverse, gate, gate_a, gate_bias)
@@ -448,4 +465,4 @@ def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
     dg_steps = None if g_gamma is None else q.new_empty(B, T, H, dtype=torch.float32)
     run.dqkg(dq, q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg if g_gamma is None else dg_steps)
     dg_gamma = q.new_empty(0) if g_gamma is None else dg_steps.sum((0, 1)).to(g_gamma.dtype)
-    return dq, dk, dv, dg, dg_gamma, dh0
+    return sum_groups(dq, G, q_dtype), sum_groups(dk, G, k_dtype), dv, dg, dg_gamma, dh0

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .cuda_dispatch import gate_kind
+from .ops import group_size
 from .templates.standalone import OUT, render
 from .triton_chunk import MAX_GRID_YZ, _interpreting, _needs_int64, _pow2
 
@@ -81,8 +82,8 @@ def recurrent_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = No
     for name, x in named:
         if x is not None and x.dtype not in _SUPPORTED_DTYPES:
             return f"{name} dtype {x.dtype} (supported: float32, float16, bfloat16)"
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
     if K > MAX_K:
         return f"K = {K} > {MAX_K}"
     if V > MAX_V:
@@ -93,8 +94,9 @@ def recurrent_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = No
 
 
 def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *, block_v: int, use_h0: bool,
-                      store_ht: bool) -> dict:
-    """The template's options (jinja variables and constexprs); ``gate`` as ``cuda_dispatch.gate_kind``."""
+                      store_ht: bool, group: int = 1) -> dict:
+    """The template's options (jinja variables and constexprs); ``gate`` as ``cuda_dispatch.gate_kind``;
+    ``group`` the heads of v per head of q and k."""
     return dict(
         BK=max(16, _pow2(K)),
         BV=block_v,
@@ -106,6 +108,7 @@ def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *,
         STORE_HT=store_ht,
         REVERSE=bool(reverse),
         SCALE=float(scale),
+        GROUP=int(group),
     )
 
 
@@ -114,12 +117,13 @@ def fused_recurrent_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
                            config: Optional[RecurrentConfig] = None) -> Tensor:
     """o [B, T, H, V] in the promoted dtype of q, k, v; the final state goes to ``state_out``.
 
-    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H], or g_gamma [H], or neither;
+    q, k [B, T, H, K], or [B, T, G, K] with G dividing H (head h reads q/k head h // (H // G)); v [B, T, H, V];
+    g [B, T, H, K] or [B, T, H], or g_gamma [H], or neither;
     state_in [B, H, K, V] (None: zeros), state_out [B, H, K, V] (None: not stored), any strides
     and any supported dtypes each; state_out may be state_in itself. Math in fp32.
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     o = torch.empty(B, T, H, V, dtype=dtype, device=q.device)
     if T == 0 or B * H == 0:
@@ -129,7 +133,8 @@ def fused_recurrent_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor],
         return o
     cfg = config or default_recurrent_config(B, H, K, V, q.device)
     options = recurrent_options(K, V, gate_kind(g, g_gamma), scale, reverse, block_v=cfg.block_v,
-                                use_h0=state_in is not None, store_ht=state_out is not None)
+                                use_h0=state_in is not None, store_ht=state_out is not None,
+                                group=group_size(q, v))
     tensors = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "h0": state_in, "ht": state_out}
     present = {n: t for n, t in tensors.items() if t is not None}
     ndims = {n: t.dim() for n, t in present.items()}

@@ -23,6 +23,30 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
+@pytest.fixture
+def inductor_triton(monkeypatch):
+    """Inductor compiles with Triton kernels on whatever device runs the tests (under the
+    interpreter on CPU), with fresh caches."""
+    import torch._inductor.config  # noqa: F401 - torch does not import Inductor by itself
+
+    patches = dict(fx_graph_cache=False, force_disable_caches=True)
+    if not torch.cuda.is_available():
+        patches["cpu_backend"] = "triton"
+        # exp as tl.exp: the interpreter cannot run libdevice.exp (it returns None)
+        if hasattr(torch._inductor.config, "use_fast_math"):
+            patches["use_fast_math"] = True
+        # A CPU-only Triton has no active driver to hash; the interpreter needs none. Patched where
+        # it is defined and wherever a torch version imported the name.
+        import torch._inductor.codegen.triton as codegen_triton
+        import torch.utils._triton as utils_triton
+
+        for module in (utils_triton, codegen_triton):
+            monkeypatch.setattr(module, "triton_hash_with_backend", lambda: "interpreter", raising=False)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(patches):
+        yield
+
+
 _SUMMARY = pytest.StashKey[list]()
 
 

@@ -32,24 +32,9 @@ CARRY_KERNEL = "GLA inter-chunk scan"
 
 
 @pytest.fixture(autouse=True)
-def inductor_triton(monkeypatch):
-    """Compile with Triton kernels on whatever device runs the tests; fresh caches per test."""
-    patches = dict(fx_graph_cache=False, force_disable_caches=True)
-    if not ON_GPU:
-        patches["cpu_backend"] = "triton"
-        # exp as tl.exp: the interpreter cannot run libdevice.exp (it returns None)
-        if hasattr(torch._inductor.config, "use_fast_math"):
-            patches["use_fast_math"] = True
-        # A CPU-only Triton has no active driver to hash; the interpreter needs none. Patched where
-        # it is defined and wherever a torch version imported the name.
-        import torch._inductor.codegen.triton as codegen_triton
-        import torch.utils._triton as utils_triton
-
-        for module in (utils_triton, codegen_triton):
-            monkeypatch.setattr(module, "triton_hash_with_backend", lambda: "interpreter", raising=False)
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(patches):
-        yield
+def triton_everywhere(inductor_triton):
+    """Every test here compiles with Triton kernels (conftest's inductor_triton)."""
+    yield
     torch._dynamo.reset()
 
 

@@ -169,10 +169,8 @@ class GraphModule(torch.nn.Module):
         dt: "f32[2, 9, 4]" = torch._C._nn.softplus(l_dt_);  l_dt_ = None
 
         to: "f32[2, 9, 2, 3]" = l_bg_.to(torch.float32);  l_bg_ = None
-        Bh: "f32[2, 9, 4, 3]" = to.repeat_interleave(2, dim = 2, output_size = 4);  to = None
 
         to_1: "f32[2, 9, 2, 3]" = l_cg_.to(torch.float32);  l_cg_ = None
-        Ch: "f32[2, 9, 4, 3]" = to_1.repeat_interleave(2, dim = 2, output_size = 4);  to_1 = None
 
         getitem: "f32[2, 9, 4, 1]" = dt[(Ellipsis, None)]
         x: "f32[2, 9, 4, 5]" = l_x_ * getitem;  l_x_ = getitem = None
@@ -181,11 +179,11 @@ class GraphModule(torch.nn.Module):
 
         t: "f32[2, 12, 4, 5]" = torch._C._nn.pad(x, (0, 0, 0, 0, 0, 3), 'constant', None);  x = None
         t_1: "f32[2, 12, 4]" = torch._C._nn.pad(a, (0, 0, 0, 3), 'constant', None);  a = None
-        t_2: "f32[2, 12, 4, 3]" = torch._C._nn.pad(Bh, (0, 0, 0, 0, 0, 3), 'constant', None);  Bh = None
-        t_3: "f32[2, 12, 4, 3]" = torch._C._nn.pad(Ch, (0, 0, 0, 0, 0, 3), 'constant', None);  Ch = None
 
+        pad_5: "f32[2, 12, 2, 3]" = torch._C._nn.pad(to_1, (0, 0, 0, 0, 0, 3), 'constant', None);  to_1 = None
+        pad_6: "f32[2, 12, 2, 3]" = torch._C._nn.pad(to, (0, 0, 0, 0, 0, 3), 'constant', None);  to = None
         permute_4: "f32[2, 4, 3, 5]" = torch.permute(l_h0_, (0, 1, 3, 2));  l_h0_ = None
-        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(t_3, t_2, t, t_1, None, permute_4, 1.0, True, False);  t_3 = t_2 = t = t_1 = permute_4 = None
+        chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(pad_5, pad_6, t, t_1, None, permute_4, 1.0, True, False);  pad_5 = pad_6 = t = t_1 = permute_4 = None
         getitem_11: "f32[2, 12, 4, 5]" = chunk_fwd_default[0]
         getitem_12: "f32[2, 4, 3, 5]" = chunk_fwd_default[1];  chunk_fwd_default = None
         permute_5: "f32[2, 4, 5, 3]" = torch.permute(getitem_12, (0, 1, 3, 2));  getitem_12 = None

@@ -317,13 +317,13 @@ def test_standalone_render_is_cached_and_specializes_head_sizes():
     specialize, which vectorizes the masked loads) and absent inputs vanish from the signature."""
     options = dict(BT=16, BK=16, BV=16, USE_GK=False, USE_G=False, USE_G_GAMMA=False, REVERSE=False, SCALE=1.0,
                    DOT_DTYPE="tl.float32", F32_PRECISION="'ieee'", WRITE_OUT=True, DUAL=False, STORE_STATES=False,
-                   USE_H0=False, STORE_HT=False, **GateFn().kernel_options())
+                   USE_H0=False, STORE_HT=False, GROUP=1, **GateFn().kernel_options())
     ndims = {"q": 4, "k": 4, "v": 4, standalone.OUT: 4}
     names = ("gla_chunk_scan", "gla_common")
     kernel = standalone.render(names, "gla_chunk_scan", options, ndims)
     assert standalone.render(names, "gla_chunk_scan", dict(options), dict(ndims)) is kernel
     assert kernel.pointers == ("q", "k", "v")
     sizes = [s.name for s in kernel.scalars if s.kind == "size"]
-    assert sizes == ["q_size_1", "q_size_2", "q_size_3", "v_size_3"]  # T, H, K, V
+    assert sizes == ["q_size_1", "v_size_2", "q_size_3", "v_size_3"]  # T, H (v's: q, k may be grouped), K, V
     assert "do_not_specialize=['q_size_1'])" in kernel.source
     assert "{{" not in kernel.source and "{%" not in kernel.source

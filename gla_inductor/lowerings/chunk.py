@@ -112,7 +112,20 @@ def _why_not(q, k, v, g, g_gamma, initial_state) -> Optional[str]:
         return "dynamic head sizes (K and V set the kernels' tiles)"
     if any(V.graph.sizevars.statically_known_equals(s, 0) for s in q.get_size()[:3]):
         return "an empty batch, sequence or head dimension"
+    G, H = q.get_size()[2], v.get_size()[2]
+    if not V.graph.sizevars.statically_known_equals(G, H) and not (_static(G) and _static(H)):
+        return "q/k shared by groups of heads, with dynamic head counts (the group size is a kernel constant)"
     return _unsupported(*map(_meta, (q, k, v, g, g_gamma, initial_state)))
+
+
+def _static(s) -> bool:
+    return isinstance(s, int) or s.is_number
+
+
+def _group(q, v) -> int:
+    """Heads of v per head of q and k (1 unless grouped; static where not 1, see ``_why_not``)."""
+    G, H = q.get_size()[2], v.get_size()[2]
+    return 1 if V.graph.sizevars.statically_known_equals(G, H) else int(H) // int(G)
 
 
 @functools.cache
@@ -187,14 +200,16 @@ class _Plan:
     def __init__(self, q, v, g, g_gamma, scale: float, reverse: bool, dtype: torch.dtype, gate: GateFn,
                  gate_a, gate_bias):
         self.device = q.get_device()
-        self.B, self.T, self.H, self.K = q.get_size()
-        self.V = v.get_size()[-1]
+        self.B, self.T, _, self.K = q.get_size()
+        self.H, self.V = v.get_size()[2], v.get_size()[-1]  # q and k may have fewer heads (grouped)
+        self.group = _group(q, v)
         hint = V.graph.sizevars.optimization_hint
         gate, gate_fn = gate_kind(_meta(g), _meta(g_gamma)), gate
         self.cfg: ChunkConfig = default_config(hint(self.B), hint(self.T), hint(self.H), int(self.K), int(self.V),
                                                dtype, gate == "vector", self.device)
         interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
-        self.options = kernel_options(self.cfg, dtype, int(self.K), gate, scale, reverse, interpreting, gate_fn)
+        self.options = kernel_options(self.cfg, dtype, int(self.K), gate, scale, reverse, interpreting, gate_fn,
+                                      self.group)
         self.gates = dict(g=g, g_gamma=g_gamma, gate_a=gate_a, gate_bias=gate_bias)
         self.fused_gate = bool(gate_fn.name)
 
@@ -271,6 +286,16 @@ def _realize(x):
     return None if x is None else ir.ExternKernel.realize_input(x)
 
 
+def _sum_groups(dx, group: int, dtype: torch.dtype):
+    """Per-head fp32 gradients [B, T, H, K] of a q or k shared by groups of heads, summed over each
+    group to [B, T, H / group, K] in dtype. The heads of a group are different programs of
+    gla_chunk_bwd_dqkg, so their sum is a reduction across programs: an Inductor reduction here,
+    not atomics in the kernel."""
+    B, T, H, K = dx.get_size()
+    split = lowerings[aten.view.default](dx, [B, T, H // group, group, K])
+    return to_dtype(lowerings[aten.sum.dim_IntList](split, [3]), dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # the lowerings
 # ----------------------------------------------------------------------------------------------
@@ -335,8 +360,10 @@ def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_
         h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
         dv = plan.scan(dv_layout, cfg.dual, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht,
                        h=dh, ht=dh0 if initial_state is not None else None)
-    # dq (main output), dk, dg; a constant gate's per-step gradients are summed over batch and time
-    dk = _empty((B, T, H, K), k_dtype, device)
+    # dq (main output), dk, dg; a constant gate's per-step gradients are summed over batch and time.
+    # q and k shared by groups of heads: dq and dk per head of v in fp32, summed over the groups below
+    group = plan.group
+    dk = _empty((B, T, H, K), k_dtype if group == 1 else torch.float32, device)
     if g is not None:
         # a fused gate's dg is the log gate's gradient, fp32 (the op's autograd goes on to x)
         dg = _empty(g.get_size(), torch.float32 if gate.name else g.get_dtype(), device)
@@ -344,7 +371,10 @@ def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_
         dg = _empty((B, T, H), torch.float32, device)
     else:
         dg = None
-    dq = plan.dqkg(_layout(device, q_dtype, (B, T, H, K)), q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg)
+    dq = plan.dqkg(_layout(device, q_dtype if group == 1 else torch.float32, (B, T, H, K)), q=q, k=k, v=v, do=do,
+                   h=h, dh=dh, dk=dk, dg=dg)
+    if group > 1:
+        dq, dk = _sum_groups(dq, group, q_dtype), _sum_groups(dk, group, k_dtype)
     if g_gamma is not None:
         dg_gamma = to_dtype(lowerings[aten.sum.dim_IntList](dg, [0, 1]), g_gamma.get_dtype())
         dg = _empty((0,), q_dtype, device)
