@@ -309,6 +309,11 @@ class Analyzer:
         out = tuple(self.fresh(s) for s in val.shape)
         return AV(out, ((1.0, (Factor("atom", out, atom=Atom(node)),)),), None, self.new_origin())
 
+    def read_whole(self, node: fx.Node) -> bool:
+        """Whether a product reads `node` as one atom (see _cut)."""
+        av = self.value(node)
+        return av is not None and self._cut(node, av)
+
     def cut_av(self, node: fx.Node, av: AV) -> Optional[AV]:
         """The value read as one atom: its root through views, else the node itself."""
         if av.root is not None:
@@ -992,9 +997,19 @@ class _Opaque(Exception):
 
 
 def _fix(f: Factor, v: int, index: int) -> Optional[Factor]:
-    """Factor f with variable v fixed to `index` (f unchanged when it does not use v)."""
+    """Factor f with variable v fixed to `index` (f unchanged when it does not use v).
+    exp(sum_m c_m m)[v = i] is exp(sum_m c_m m[v = i]): a decay computed before a loop
+    (`d = g.exp()`) and read one step at a time (`d[:, t]`)."""
     if v not in factor_vars(f):
         return f
+    if f.kind == "exp":
+        inner = []
+        for c, fs in f.inner:
+            fixed = [_fix(g, v, index) for g in fs]
+            if None in fixed:
+                return None
+            inner.append((c, tuple(fixed)))
+        return replace(f, inner=tuple(inner))
     if f.kind != "atom" or f.idx.count(v) != 1:
         return None
     p = f.idx.index(v)
@@ -1175,6 +1190,8 @@ def _value_numbering(nodes: list, writes: list, keys: dict) -> dict:
     for n in nodes:
         if n.op not in ("call_function", "call_method") or n.target is operator.getitem:
             continue  # index tuples are costly to hash and Dynamo never repeats them
+        if _random(n):
+            continue  # two draws with the same arguments differ
         if unstable and (n in unstable or any(a in unstable for a in n.all_input_nodes)):
             continue
         try:
@@ -1187,3 +1204,16 @@ def _value_numbering(nodes: list, writes: list, keys: dict) -> dict:
         else:
             seen[k] = n
     return canon
+
+
+# Sampling ops: equal arguments, different values (a per-step dropout is not one value).
+_RANDOM_NAMES = {
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+    "multinomial", "normal", "poisson", "dropout", "dropout1d", "dropout2d", "dropout3d",
+    "alpha_dropout", "feature_alpha_dropout", "feature_dropout", "rrelu", "gumbel_softmax",
+}
+
+
+def _random(n: fx.Node) -> bool:
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return name in _RANDOM_NAMES

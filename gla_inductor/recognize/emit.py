@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -40,6 +41,9 @@ class LFactor:
     # Sizes to reshape the selected node to first, when an axis of it is several letters
     # merged (one size per letter); () when every axis is one letter.
     unflatten: tuple = ()
+    # A tensor each step of a loop computes from its own time slices: `node` is the last
+    # step's, and `lifted.emit(emitter)` the whole sequence, time first (letters[0] == 't').
+    lifted: Any = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class Emitter:
         self.sizes = sizes  # role letter -> int or (node, axis) that holds that size
         self.splits = splits or {}  # role letter -> its sub-letters, for merged roles
         self.fake_mode = _fake_mode(self.graph)
+        self.memo: dict = {}  # nodes emitted once for several uses (a lifted per-step tensor)
 
     def call(self, target, *args, op: str = "call_function", **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
@@ -250,7 +255,7 @@ class Emitter:
         return self.call(torch.einsum, eq, *[self.selected(f) for f in factors])
 
     def selected(self, f: LFactor) -> fx.Node:
-        node = f.node
+        node = f.node if f.lifted is None else f.lifted.emit(self)
         for axis, index in sorted(f.select, reverse=True):
             node = self.call(torch.select, node, axis, index)
         if f.unflatten:
@@ -282,8 +287,11 @@ def sizes_from(factors) -> dict:
                     sizes[c] = s
             continue
         selected = {a for a, _ in lf.select}
-        axes = [a for a in range(val.dim()) if a not in selected]
+        if lf.lifted is not None:  # axis 0 is time, axis a + 1 the last step's axis a
+            axes = [None] + [a for a in range(val.dim()) if a + 1 not in selected]
+        else:
+            axes = [a for a in range(val.dim()) if a not in selected]
         for axis, c in zip(axes, lf.letters):
             if c != "1" and (c not in sizes or sizes[c] == 1):
-                sizes[c] = (lf.node, axis)
+                sizes[c] = lf.lifted.steps if axis is None else (lf.node, axis)
     return sizes

@@ -3,7 +3,8 @@ function's input instead, and the kernels apply the function as they read it (``
 
 Runs on the Dynamo graph after the GLA rewrites (so it also sees ``chunk_gla`` called by user code):
 for each ``chunk_fwd`` node it follows the log gate back through layout-only ops (permutations,
-casts, zero padding of batch or time) to one of
+casts, zero padding of batch or time; for logsigmoid also permutations between its pieces, as a
+loop's per-step gate lifted to the whole sequence has them) to one of
 
     logsigmoid(x) | log(sigmoid(x))        [* c | / c]      [clamp(lo, hi)]          ("logsigmoid")
     a * [clamp(lo, hi)] softplus(x + bias)                  (a, bias per head)       ("softplus")
@@ -258,11 +259,32 @@ def _strip_clamp(node: fx.Node):
 
 def _logsigmoid_gate(op: fx.Node, chain: _Chain) -> Optional[_Fusion]:
     node, lo, hi = _strip_clamp(_through_casts(chain.start))
+    node, chain = _inner_layout(node, chain)
     node, scale = _scaled(_through_casts(node))
-    x = _logsigmoid_input(_through_casts(node))
+    node, chain = _inner_layout(node, chain)
+    x, chain = _logsigmoid_input(_through_casts(node), chain)
     if x is None:
         return None
     return _Fusion(op, chain, _strip_upcast(x), GateFn("logsigmoid", scale, lo, hi))
+
+
+def _inner_layout(node: fx.Node, chain: _Chain) -> tuple:
+    """Permutations between the pieces of a logsigmoid gate (a loop's per-step gate lifted to
+    the sequence is permuted after the gate function, before its scale): the scale, clamp and
+    log commute with them. Walks back through single-use ones (no padding: clamp(0) need not
+    be 0), composing them into the chain; (the node reached, the chain from it)."""
+    perm, nodes = list(chain.perm), list(chain.nodes)
+    while True:
+        step = _layout_step(node)
+        if step is None or step[2] or len(step[0].users) != 1 or _val(step[0]) is None:
+            break
+        src, axes, _ = step
+        perm = [axes[p] for p in perm]
+        nodes.insert(0, node)
+        node = src
+    if node is chain.start:
+        return node, chain
+    return node, _Chain(node, perm, chain.pads, nodes)
 
 
 def _scaled(node: fx.Node):
@@ -278,16 +300,18 @@ def _scaled(node: fx.Node):
     return node, 1.0
 
 
-def _logsigmoid_input(node: fx.Node) -> Optional[fx.Node]:
+def _logsigmoid_input(node: fx.Node, chain: _Chain) -> tuple:
+    """(x, the chain from the gate function) for logsigmoid(x) or log(sigmoid(x)); (None, chain)."""
     if node.op == "call_function" and node.target in _LOGSIGMOID and len(node.args) == 1 and not node.kwargs:
-        return node.args[0]
+        return node.args[0], chain
     is_log = node.op == "call_function" and node.target in _LOG or node.op == "call_method" and node.target == "log"
-    if is_log and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
-        s = node.args[0]
+    if is_log and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node) \
+            and len(node.args[0].users) == 1:
+        s, chain = _inner_layout(node.args[0], chain)
         is_sigmoid = s.op == "call_function" and s.target in _SIGMOID or s.op == "call_method" and s.target == "sigmoid"
         if is_sigmoid and len(s.args) == 1 and not s.kwargs and len(s.users) == 1:
-            return s.args[0]
-    return None
+            return s.args[0], chain
+    return None, chain
 
 
 def _strip_upcast(x) -> Optional[fx.Node]:

@@ -12,7 +12,14 @@ updates S_{t-1} -> S_t; ``find_outputs`` finds the assembly whose elements read 
 every step has the same structure with its time index t (consecutive, or reversed), maps
 index variables to roles (batch b/h, key k, value v) and returns a ``Match`` whose ``apply``
 inserts the GLA op (``placement.py`` says where, and how the state is written back).
-Anything unproven is a near miss.
+Anything unproven is a near miss. A long loop whose steps ``periodic.py`` proves alike by
+their structure is parsed at three steps only; every check holds for the others as for them.
+
+A gate (or key, value, query) the loop body computes, `dA = exp(A * softplus(dt[:, t] + b))`,
+is one node per step after unrolling. ``step_walk`` reads each as a function of slices of
+tensors computed outside the steps; when every step's is the same function of its own slice t,
+the op takes that function over the whole sequence (replayed on the un-sliced tensors, or the
+steps' values stacked), and an `exp(x)` decay gives x itself as the log-gate.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .algebra import _VIEW_OPS, AV, Analyzer, Factor, Mono, _rank, comps, factor_vars, mono_vars, op_name, out_vars, storage_root
-from .consts import example_value
+from .algebra import (
+    _VIEW_OPS, AV, Analyzer, Atom, Factor, Mono, _rank, _unit_slice, comps, factor_vars, is_pointwise, mono_vars,
+    op_name, out_vars, storage_root,
+)
+from .consts import example_value, written_args
 from .emit import Emitter, Group, LFactor, sizes_from
 from .match import Match, NearMiss, Reject
-from . import placement
+from . import periodic, placement
 
 BATCH_LETTERS = ("b", "h")
 SUB_LETTERS = "ABCDEFGHIJKLMNOPQRSUWXYZ"  # parts of a role the user's code merged
@@ -226,19 +236,48 @@ def _size(node: fx.Node, axis: int):
 # ---- the recognizers ---------------------------------------------------------------------
 def find_steps(an: Analyzer) -> tuple[dict, list]:
     """Every state update of the graph, and near misses for updates that are not GLA steps
-    (computed once per graph: the loop and decode recognizers share them)."""
+    (computed once per graph: the loop and decode recognizers share them). Steps 3 and
+    later of a long loop proven periodic are not parsed: they are step 1 (see periodic.py)."""
     if "steps" not in an.memo:
-        steps, near = {}, []
-        for n in an.graph.nodes:
-            st = parse_step(an, n)
-            if st is not None:
-                steps[n] = st
-            else:
-                why = diagnose_update(an, n)
-                if why:
-                    near.append(NearMiss("loop", why, [n]))
+        proofs = periodic.find(an, find_outputs(an))
+        skip = set().union(*(p.nodes for p in proofs))
+        found = {n: _read_node(an, n) for n in an.graph.nodes if n not in skip}
+        for p in proofs:
+            if _samples_parse(an, p, found):
+                found.update((p.states[i], Step(p.states[i], None, p.states[i - 1], None, None)) for i in p.interior)
+            else:  # parsed after all, in graph order (each step's normal form reads the last's)
+                p.failed = True
+                found.update((n, _read_node(an, n)) for n in an.graph.nodes if n in p.nodes)
+        steps = {n: found[n] for n in an.graph.nodes if isinstance(found.get(n), Step)}
+        near = [NearMiss("loop", found[n], [n]) for n in an.graph.nodes if isinstance(found.get(n), str)]
         an.memo["steps"] = (steps, near)
     return an.memo["steps"]
+
+
+def _read_node(an: Analyzer, n: fx.Node):
+    """n as a Step, or why it is an update but not a GLA step, or None."""
+    return parse_step(an, n) or diagnose_update(an, n)
+
+
+def _samples_parse(an: Analyzer, p: periodic.Proof, found: dict) -> bool:
+    """The head and steps 1 and 2 parse as GLA steps of the chain, with axes alike (a step
+    sees of the previous state only its axes), and nothing else in steps 1 and 2 is a step
+    from a state or a near miss: so each later step, having their structure, is one too."""
+    for i in (0, 1, 2):
+        st = found.get(p.states[i])
+        if not isinstance(st, Step) or i and st.prev is not p.states[i - 1]:
+            return False
+    if not an.read_whole(p.states[0]):  # (a sum always is; the head may be a product k v)
+        return False
+    if len({_axes(an, found[p.states[i]].av) for i in (0, 1, 2)}) != 1:
+        return False
+    others = (found.get(n) for n in p.sample if n not in p.states)
+    return not any(isinstance(x, str) or isinstance(x, Step) and x.prev is not None for x in others)
+
+
+def _axes(an: Analyzer, av: AV) -> tuple:
+    """The sizes of the variables of each axis of a value (an axis may merge several)."""
+    return tuple(tuple(an.sizes[v] for v in comps(e)) for e in av.out)
 
 
 def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
@@ -414,18 +453,48 @@ def _read_letters(rd: Read, st: Step, letters: Letters) -> dict:
 
 
 def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly], single: bool = False) -> Match:
+    """The Match of a chain of steps (raises Reject). A long loop proven periodic is parsed
+    at its head and steps 1 and 2; each check below holds for its later steps as it does
+    for step 1, at their own time index, and step 2 stands for the last (see periodic.py)."""
+    proof = None if single else periodic.proof_of(an, [st.node for st in chain])
+    if proof is not None:
+        try:
+            return _analyze(an, chain, outputs, False, proof)
+        except _EveryStep:
+            pass
+    return _analyze(an, _parsed(an, chain), outputs, single, None)
+
+
+def _parsed(an: Analyzer, chain: list[Step]) -> list[Step]:
+    """The chain with its proven steps parsed after all, in order (each reads the last)."""
+    res = [st if st.av is not None else parse_step(an, st.node) for st in chain]
+    if None in res:
+        raise Reject("a step proven like step 1 does not parse (internal error)")
+    return res
+
+
+class _EveryStep(Exception):
+    """What the general path must decide from every step: a per-step tensor stacked from
+    every step's node, or an element that does not parse as the read of its own state."""
+
+
+def _analyze(an: Analyzer, chain: list[Step], outputs: list, single: bool, proof) -> Match:
     states = {st.node: i for i, st in enumerate(chain)}
     if single:
         asm = _read_of_step(an, chain[0])
         reads = {chain[0].node: parse_read(an, asm.result, states)}
     else:
-        asm, reads = _assembly_of(an, chain, states, outputs)
-    roles = _roles(chain, reads)
+        asm, reads = _assembly_of(an, chain, states, outputs, proof)
     n = len(chain)
-    _check_state_free(chain, reads)
-    time_axes = _time_axes(chain, reads)
-    lifted = [_lift_step(an, st, reads.get(st.node), roles, time_axes) for st in chain]
-    taus = [lf["tau"] for lf in lifted]
+    seen = chain if proof is None else [chain[i] for i in proof.analyzed]
+    roles = _roles(seen[-1], reads[seen[-1].node])
+    _check_state_free(chain, seen, reads)
+    time_axes = _time_axes(an, seen, reads)
+    shared = {"steps": n, "stacks": {}, "invariants": {}}  # see _atom_lfactor
+    lifted = [_lift_step(an, st, reads.get(st.node), roles, time_axes, shared) for st in seen]
+    if proof is not None and shared["stacks"]:
+        raise _EveryStep  # (the stack needs the interior steps' nodes)
+    taus = _taus(lifted, proof, n)
     reverse = False
     if single:
         if taus[0] is not None:
@@ -438,13 +507,32 @@ def analyze_chain(an: Analyzer, chain: list[Step], outputs: list[Assembly], sing
         raise Reject(f"steps read time indices {taus[:6]}..., not consecutive")
     if not single:
         _check_time_order(asm, reads, {st.node: tau for st, tau in zip(chain, taus)})
-    _check_same_structure(chain, lifted)
+    _check_same_structure(chain, lifted)  # (with a proof, lifted step 2 stands for the last)
+    for by_tau in shared["stacks"].values():
+        if chain[0].prev is None and taus[0] not in by_tau and taus[1] in by_tau:
+            by_tau[taus[0]] = by_tau[taus[1]]  # the first decay multiplies a zero state: any gate will do
+        if set(by_tau) != set(range(n)):
+            raise Reject("a tensor computed inside the loop is not computed at every step")
     time_sizes = {(node, axis) for lf in lifted for node, axis in lf["time_axes"]}
     for node, axis in time_sizes:
         size = _size(node, axis)
         if size != n:
             raise Reject(f"the loop runs {n} steps over a time axis of size {size}")
     return _build_match(an, chain, reads, asm, lifted[-1], reverse)
+
+
+def _taus(lifted: list, proof, n: int) -> list:
+    """The time index each step reads; a later step of a periodic loop reads step 1's moved
+    on by as many steps as it is further (its slices' indices are step 1's so moved)."""
+    if proof is None:
+        return [lf["tau"] for lf in lifted]
+    taus = [None] * n
+    for i, lf in zip(proof.analyzed, lifted):
+        taus[i] = lf["tau"]
+    if taus[1] is not None and taus[2] is not None:
+        for i in proof.interior:
+            taus[i] = taus[1] + (i - 1) * (taus[2] - taus[1])
+    return taus
 
 
 def _check_same_structure(chain: list[Step], lifted: list) -> None:
@@ -472,10 +560,11 @@ def _check_time_order(asm: Assembly, reads: dict, tau_of: dict) -> None:
         raise Reject("the outputs are not assembled in time order (o[t] must hold step t)")
 
 
-def _check_state_free(chain: list[Step], reads: dict) -> None:
+def _check_state_free(chain: list[Step], seen: list[Step], reads: dict) -> None:
     """The inputs of an update or of a read must not be computed from the states (a delta
     rule reads S_{t-1} to form its value; RWKV-style bonuses read it before the update).
-    The initial state counts: a decode step's value must not be computed from the cache."""
+    The initial state counts: a decode step's value must not be computed from the cache.
+    Checked for the steps `seen` (parsed), computed from any state of the chain."""
     states = {st.node for st in chain} | ({chain[0].prev} if chain[0].prev is not None else set())
     derived: set = set()
     frontier = list(states)
@@ -485,39 +574,61 @@ def _check_state_free(chain: list[Step], reads: dict) -> None:
             if u not in derived and u not in states:
                 derived.add(u)
                 frontier.append(u)
-    factors = [f for st in chain for _, fs in st.av.terms for f in fs]
-    factors += [f for rd in reads.values() for f in rd.q]
-    for f in factors:
+    factors = [f for st in seen for _, fs in st.av.terms for f in fs]
+    factors += [f for st in seen if st.node in reads for f in reads[st.node].q]
+    while factors:
+        f = factors.pop()
+        factors += [g for _, inner in f.inner for g in inner]  # a gate exp(w S) reads S too
         if f.kind == "atom" and f.atom.node in derived:
             raise Reject("the update reads the state it updates (delta-rule style)")
 
 
-def _time_axes(chain: list[Step], reads: dict) -> set:
-    """(node, axis) pairs whose integer indices change from step to step: the time axes.
-    Constant selections (q, k, v of `qkv.unbind(2)`) index the same set in every step."""
+def _time_axes(an: Analyzer, chain: list[Step], reads: dict) -> set:
+    """(ident, axis) pairs whose integer indices change from step to step: the time axes.
+    Constant selections (q, k, v of `qkv.unbind(2)`) index the same set in every step. A
+    tensor the step computes from slices (see step_walk) counts with the slices it reads.
+    Indices are compared per part of the step (decay, outer product, read) among the steps
+    that have it: the first step's decay multiplies a zero state and is left out."""
+    states = {st.prev for st in chain}
     per_step = []
     for st in chain:
         values: dict = {}
-
-        def visit(factors):
-            for f in factors:
-                if f.kind == "atom":
-                    for axis, index in f.atom.fixed:
-                        values.setdefault((f.atom.node, axis), set()).add(index)
-                for _, inner in f.inner:
-                    visit(inner)
-
-        for _, fs in st.av.terms:
-            visit(fs)
+        for part, mono in (("decay", st.decay), ("outer", st.outer)):
+            if mono is not None:
+                _fixed_indices(an, mono[1], states, part, values)
         if st.node in reads:
-            visit(reads[st.node].q)
+            _fixed_indices(an, reads[st.node].q, states, "read", values)
         per_step.append(values)
-    keys = set().union(*[v.keys() for v in per_step])
-    return {key for key in keys if len({frozenset(v.get(key, ())) for v in per_step}) > 1}
+    keys = set().union(*per_step)
+    return {key[1:] for key in keys if len({frozenset(v[key]) for v in per_step if key in v}) > 1}
 
 
-def _assembly_of(an: Analyzer, chain, states, outputs):
+def _fixed_indices(an: Analyzer, factors, states: set, part: str, values: dict) -> None:
+    """values[(part, ident, axis)]: the fixed indices the factors read (inside exp too)."""
+    for f in factors:
+        walk = step_walk(an, f.atom.node) if f.kind == "atom" and f.atom.node not in states else None
+        if walk is not None:
+            for leaf in walk.params:
+                for ident, axis, index, _ in leaf:
+                    values.setdefault((part, ident, axis), set()).add(index)
+        if f.kind == "atom":  # `k[:, t]` of a walked k = qkv.unbind(2)[1] reads t here
+            for axis, index in f.atom.fixed:
+                values.setdefault((part,) + _fixed_key(f.atom.node, axis, walk), set()).add(index)
+        for _, inner in f.inner:
+            _fixed_indices(an, inner, states, part, values)
+
+
+def _fixed_key(node: fx.Node, axis: int, walk: Optional[StepWalk]) -> tuple:
+    """What a fixed index of an atom indexes, named alike in every step: the node, or for a
+    node with a walk (one node per step, or q = qkv.unbind(2)[0] shared by all) the walk's
+    structure, as slices of it name it (see _slice_walk)."""
+    return (node, axis) if walk is None else (walk.id, axis)
+
+
+def _assembly_of(an: Analyzer, chain, states, outputs, proof=None):
     for asm in outputs:
+        if proof is not None and asm is proof.assembly:
+            return asm, _proven_reads(an, chain, states, proof)
         reads = [parse_read(an, e, states) for e in asm.elements]
         if not reads or any(r is None for r in reads):
             continue
@@ -533,9 +644,23 @@ def _assembly_of(an: Analyzer, chain, states, outputs):
     )
 
 
-def _roles(chain, reads) -> Roles:
-    st = chain[-1]
-    rd = reads[st.node]
+def _proven_reads(an: Analyzer, chain, states, proof) -> dict:
+    """state -> Read: parsed where the step is; an interior step's read is step 1's, of its
+    own state (its window has step 1's structure, the read included)."""
+    reads = {}
+    for i in proof.analyzed:
+        rd = parse_read(an, proof.elements[i], states)
+        if rd is None or rd.state is not chain[i].node:
+            raise _EveryStep
+        reads[rd.node] = rd
+    first = reads[proof.elements[1]]
+    for i in proof.interior:
+        reads[proof.elements[i]] = Read(proof.elements[i], None, chain[i].node, None, first.kvar, [], first.coef)
+    return {reads[e].state: reads[e] for e in proof.assembly.elements}  # in the general path's order
+
+
+def _roles(st: Step, rd: Read) -> Roles:
+    """Roles of the state's axes, from the last step parsed (every step has its structure)."""
     kpos = rd.state_factor.idx.index(rd.kvar)
     out = st.av.out
     kvars = set(comps(out[kpos]))
@@ -563,11 +688,11 @@ def _roles(chain, reads) -> Roles:
     return Roles(kpos, vpos, batch)
 
 
-def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_axes: set) -> dict:
+def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_axes: set, shared: dict) -> dict:
     """Per-step structure with index vars replaced by role letters and time slices by 't'."""
     letters = _state_letters(an, st.av.out, roles)
     vvars, kvars = set(comps(st.av.out[roles.vpos])), set(comps(st.av.out[roles.kpos]))
-    ctx = {"taus": set(), "time_axes": set(), "is_time": time_axes, "an": an}
+    ctx = {"taus": set(), "time_axes": set(), "is_time": time_axes, "an": an, "shared": shared}
     kf = [f for f in st.outer[1] if kvars & factor_vars(f)]
     vf = [f for f in st.outer[1] if not kvars & factor_vars(f)]
     if any(vvars & factor_vars(f) for f in kf):
@@ -609,12 +734,19 @@ def _group(factors, coef, letter, ctx, allow_empty=True):
         lfs.append(_atom_lfactor(f, letter, ctx))
     if not lfs and not allow_empty:
         raise Reject("an output has no query factor")
-    sig = (coef, tuple(sorted(_lf_key(lf) for lf in lfs)))
+    sig = (coef, tuple(sorted((_lf_key(lf) for lf in lfs), key=_sort_key)))
     return sig, Group(coef, tuple(lfs))
 
 
 def _lf_key(lf: LFactor) -> tuple:
-    return (lf.node.name, lf.letters, lf.select, lf.unflatten)
+    """What the factor is: its node, or for a per-step tensor the function every step computes."""
+    return (lf.node.name if lf.lifted is None else lf.lifted.sig, lf.letters, lf.select, lf.unflatten)
+
+
+def _sort_key(key: tuple) -> tuple:
+    """An order of factor keys (products commute); a per-step function's key holds nodes,
+    which do not compare: equal keys have equal hashes."""
+    return (0, key) if isinstance(key[0], str) else (1, hash(key))
 
 
 def _axis(entry, letter, ctx) -> tuple:
@@ -631,9 +763,18 @@ def _axis(entry, letter, ctx) -> tuple:
 def _atom_lfactor(f: Factor, letter, ctx) -> LFactor:
     atom = f.atom
     axes = [_axis(e, letter, ctx) for e in f.idx]  # per free axis of the atom
+    walk = step_walk(ctx["an"], atom.node)
+    if walk is not None:
+        varies, sig, lift = lift_step_tensor(walk, ctx)
+        if varies:  # the whole sequence, time first; the atom's own fixed axes are constant
+            per_axis = [("t", None)] + axes
+            shape = (lift.steps,) + tuple(example_value(atom.node).shape)
+            return _lfactor(atom.node, tuple((a + 1, i) for a, i in atom.fixed), per_axis, lift, shape)
+        # the same tensor every step, computed anew: the first step's
+        atom = Atom(ctx["shared"]["invariants"].setdefault(sig, atom.node), atom.fixed)
     select, time = [], []
     for axis, index in atom.fixed:
-        if (atom.node, axis) in ctx["is_time"]:
+        if _fixed_key(atom.node, axis, walk) in ctx["is_time"]:
             ctx["taus"].add(index)
             ctx["time_axes"].add((atom.node, axis))
             time.append(axis)
@@ -648,19 +789,19 @@ def _atom_lfactor(f: Factor, letter, ctx) -> LFactor:
     return _lfactor(atom.node, tuple(select), per_axis)
 
 
-def _lfactor(node: fx.Node, select: tuple, per_axis: list) -> LFactor:
+def _lfactor(node: fx.Node, select: tuple, per_axis: list, lifted=None, shape=None) -> LFactor:
     """An LFactor, unflattening the axes that carry several letters."""
     letters = "".join(ls for ls, _ in per_axis)
     if all(len(ls) == 1 for ls, _ in per_axis):
-        return LFactor(node, letters, select)
-    shape = example_value(node).shape
+        return LFactor(node, letters, select, lifted=lifted)
+    shape = example_value(node).shape if shape is None else shape
     axes = [a for a in range(len(shape)) if a not in {a for a, _ in select}]
     sizes = []
     for a, (ls, sz) in zip(axes, per_axis):
         sizes += [shape[a]] if len(ls) == 1 else list(sz)
     if not all(isinstance(s, int) for s in sizes):
         raise Reject("an input's merged axis has a symbolic size")
-    return LFactor(node, letters, select, tuple(sizes))
+    return LFactor(node, letters, select, tuple(sizes), lifted)
 
 
 def _decay(st: Step, letter, vvars, ctx):
@@ -679,12 +820,33 @@ def _decay(st: Step, letter, vvars, ctx):
                 if any(g.kind != "atom" for g in inner):
                     raise Reject("the exponent of the decay is not a product of tensors")
                 terms.append((c, tuple(_atom_lfactor(g, letter, ctx) for g in inner), False))
+        elif f.kind == "atom" and _step_exp_input(ctx["an"], f.atom.node) is not None:
+            # exp(x) each step computes, x no linear form (exp(dt_t * -exp(A_log))): x is the log-gate
+            x = Factor("atom", f.idx, atom=Atom(_step_exp_input(ctx["an"], f.atom.node), f.atom.fixed))
+            terms.append((1.0, (_atom_lfactor(x, letter, ctx),), False))
         elif f.kind == "atom" and _positive(f.atom.node):
             terms.append((1.0, (_atom_lfactor(f, letter, ctx),), True))
         else:
             raise Reject("the decay is not exp(...) of a log-gate or a positive constant")
-    sig = (coef, tuple(sorted((c, tuple(_lf_key(lf) for lf in lfs), lg) for c, lfs, lg in terms)))
+    keys = [(c, tuple(_sort_key(_lf_key(lf)) for lf in lfs), lg) for c, lfs, lg in terms]
+    sig = (coef, tuple(sorted(keys)))
     return sig, (coef, terms)
+
+
+def _step_exp_input(an: Analyzer, node: fx.Node) -> Optional[fx.Node]:
+    """x of a node exp(x) (same shape) that a step computes from its time slices. (An exp computed
+    outside the loop stays a positive atom, read as log(exp(x)).)"""
+    if step_walk(an, node) is None:
+        return None
+    if not (node.op == "call_function" and node.target is torch.exp or node.op == "call_method" and node.target == "exp"):
+        return None
+    if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return None
+    x = node.args[0]
+    xv, nv = example_value(x), example_value(node)
+    if an.versions.get((node, x), x) is not x or not isinstance(xv, torch.Tensor) or xv.shape != nv.shape:
+        return None
+    return an.canon.get(x, x)
 
 
 def _positive(node: fx.Node) -> bool:
@@ -849,9 +1011,449 @@ def _cast(em: Emitter, node: fx.Node, like: fx.Node) -> fx.Node:
 
 
 def _dependencies(last, head) -> list:
-    deps = [lf.node for key in ("q", "k", "v") for lf in last[key][1].factors]
+    lfs = [lf for key in ("q", "k", "v") for lf in last[key][1].factors]
     if last["decay"] is not None:
-        deps += [lf.node for _, lfs, _ in last["decay"][1][1] for lf in lfs]
+        lfs += [lf for _, terms, _ in last["decay"][1][1] for lf in terms]
+    deps = [d for lf in lfs for d in (lf.lifted.deps() if lf.lifted is not None else [lf.node])]
     if head.prev is not None:
         deps.append(head.prev)
-    return deps
+    return list(dict.fromkeys(deps))
+# ---- tensors each step computes from its own time slices ------------------------------------
+# Dynamo unrolls `dt = F.softplus(dt_raw[:, t] + dt_bias)` into one node per step, each an
+# opaque atom to the algebra, so the steps' decays (or keys, values) name different nodes.
+# `step_walk` reads such a node as a function of slices of tensors computed outside the
+# steps; steps whose walks agree but for the time index compute the same function, and the
+# emitted op reads it once over the whole sequence: replayed on the un-sliced tensors (time
+# first), or, for an op this replay does not know, the steps' own nodes stacked over time.
+MAX_STEP_NODES = 48  # ops in one step's computation of one tensor
+
+
+class _Unknown(Exception):
+    """Arguments `step_walk` cannot key (symbolic, tensors, unhashable)."""
+
+
+@dataclass(frozen=True, eq=False)
+class StepWalk:
+    """One step's computation of `node`. kind "in": an input of the walk, the same tensor
+    whichever step reads it (`node` is the canonical node); "slice": `node` reads `base` at
+    fixed indices and is otherwise a view of it; "op": `node` applied to its inputs' walks
+    (`children`). A slice of a base that is not an input has the base's walk as its child."""
+
+    kind: str
+    node: fx.Node
+    key: tuple  # the structure with the slice indices left out, inputs' walks by their ids
+    id: int  # equal for equal keys (so a key hashes in the time of its own arguments)
+    # per slice read, in a fixed order: ((ident, axis, index, base), ...); ident names the
+    # sliced tensor the same way in every step (the key of its walk), base is the node
+    params: tuple
+    size: int
+    children: dict = field(default_factory=dict)  # input node -> its walk
+    base: Optional[fx.Node] = None  # "slice": the tensor sliced
+    how: tuple = ()  # "slice": ("getitem", items) | ("select" | "unbind" | "narrow", dim)
+
+
+def _slice_of(an: Analyzer, n: fx.Node) -> Optional[tuple]:
+    """(base, how, [(axis, index, item position)]) for a node that reads fixed indices of a
+    tensor: x[..., i, ...] (ints or one-element slices), x.select(d, i), x.unbind(d)[i],
+    x.narrow(d, i, 1). Other slices are kept as they are (part of the structure)."""
+    name = op_name(n)
+    if name not in ("getitem", "select", "narrow") or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    src = n.args[0]
+    if name == "getitem" and op_name(src) == "unbind":
+        base, dim, index, how = src.args[0], _arg(src, 1, "dim", 0), n.args[1], "unbind"
+        if an.versions.get((src, base), base) is not base:
+            return None
+    elif name == "getitem":
+        return _getitem_slices(an, n)
+    elif name == "select":
+        base, dim, index, how = src, _arg(n, 1, "dim", None), _arg(n, 2, "index", None), "select"
+    else:
+        base, dim, index, how = src, _arg(n, 1, "dim", None), _arg(n, 2, "start", None), "narrow"
+        if _arg(n, 3, "length", None) != 1:
+            return None
+    if not isinstance(base, fx.Node) or not _plain_int(dim) or not _plain_int(index):
+        return None
+    if an.versions.get((n, src), src) is not src:
+        return None
+    rank = _rank(base)
+    if not rank:
+        return None
+    dim %= rank
+    index = _normal_index(index, _size(base, dim))
+    if index is None:
+        return None
+    return base, (how, dim), [(dim, index, None)]
+
+
+def _getitem_slices(an: Analyzer, n: fx.Node) -> Optional[tuple]:
+    base, index = n.args[0], n.args[1]
+    if an.versions.get((n, base), base) is not base:
+        return None
+    index = index if isinstance(index, tuple) else (index,)
+    if not all(i is None or i is Ellipsis or isinstance(i, slice) or _plain_int(i) for i in index):
+        return None  # tensor or symbolic indices
+    rank = _rank(base)
+    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+    if index.count(Ellipsis) > 1 or n_real > rank:
+        return None
+    items: list = []
+    for i in index:
+        items += [slice(None)] * (rank - n_real) if i is Ellipsis else [i]
+    items += [slice(None)] * (rank - sum(1 for i in items if i is not None))
+    found, axis = [], 0
+    for pos, i in enumerate(items):
+        if i is None:
+            continue
+        size = _size(base, axis)
+        if isinstance(i, slice):
+            unit = _unit_slice(i, size) if all(x is None or _plain_int(x) for x in (i.start, i.stop, i.step)) else None
+            i = unit if isinstance(unit, int) and not isinstance(unit, bool) else None
+        if i is not None:
+            index = _normal_index(i, size)
+            if index is None:
+                return None
+            found.append((axis, index, pos))
+        axis += 1
+    if not found:
+        return None
+    return base, ("getitem", tuple(items)), found
+
+
+def _arg(n: fx.Node, pos: int, name: str, default):
+    return n.args[pos] if len(n.args) > pos else n.kwargs.get(name, default)
+
+
+def _plain_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _normal_index(index: int, size) -> Optional[int]:
+    if isinstance(size, int):
+        return index % size if -size <= index < size else None
+    return index if index >= 0 else None
+
+
+def _sliced(an: Analyzer) -> set:
+    """The nodes that read a slice at fixed indices, or are computed from one."""
+    if "sliced" not in an.memo:
+        sliced: set = set()
+        for n in an.nodes:
+            if any(x in sliced for x in n.all_input_nodes) or _slice_of(an, n) is not None:
+                sliced.add(n)
+        an.memo["sliced"] = sliced
+    return an.memo["sliced"]
+
+
+def step_walk(an: Analyzer, node: fx.Node) -> Optional[StepWalk]:
+    """How `node` is computed from slices of tensors computed outside the steps; None for a
+    node that reads no slice, or that is an input itself (memoized per graph)."""
+    if node.op not in ("call_function", "call_method") or node not in _sliced(an):
+        return None
+    w = _walk_of(an, node)
+    return None if w.kind == "in" else w
+
+
+def _walk_of(an: Analyzer, node: fx.Node) -> StepWalk:
+    """node's walk, inputs first. Each node's walk depends on its inputs' walks only (not on
+    who asks), so the steps' walks are comparable; a node past a long loop reaches back
+    through every step, hence a stack rather than recursion."""
+    memo = an.memo.setdefault("walks", {})
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        todo = [x for x in _walk_inputs(an, n) if x not in memo]
+        if todo:
+            stack += todo
+            continue
+        memo[stack.pop()] = _make_walk(an, n, memo)
+    return memo[node]
+
+
+def _is_input(an: Analyzer, n: fx.Node) -> bool:
+    """Nodes the walk does not look into. A node that reads no slice is named by value
+    numbering, which leaves getitem alone: `w[None]` taken anew each step is walked."""
+    if n not in _sliced(an) and n.target is not operator.getitem:
+        return True
+    return n.op not in ("call_function", "call_method") or bool(written_args(n))
+
+
+def _walk_inputs(an: Analyzer, n: fx.Node) -> list:
+    if _is_input(an, n):
+        return []
+    sl = _slice_of(an, n)
+    return [sl[0]] if sl is not None else n.all_input_nodes
+
+
+def _make_walk(an: Analyzer, n: fx.Node, memo: dict) -> StepWalk:
+    """n's walk from its inputs' (in memo). Where n cannot be read as a step's computation
+    (too large, reads a value written in place, arguments with no key), n is an input: a
+    tensor named by its node, equal between steps only where they read the same one."""
+    if _is_input(an, n):
+        return _input_walk(an, n)
+    try:
+        sl = _slice_of(an, n)
+        return _slice_walk(an, n, sl, memo[sl[0]]) if sl is not None else _op_walk(an, n, memo)
+    except _Unknown:
+        return _input_walk(an, n)
+
+
+def _op_walk(an: Analyzer, n: fx.Node, memo: dict) -> StepWalk:
+    children = {}
+    for x in n.all_input_nodes:
+        if an.versions.get((n, x), x) is not x:
+            return _input_walk(an, n)  # reads a value written in place: n is what it read
+        children[x] = memo[x]
+    size = 1 + sum(c.size for c in children.values())
+    if size > MAX_STEP_NODES:
+        return _input_walk(an, n)  # too large to be one step's
+    key = ("op", n.op, _frozen(n.target, {}), _frozen((n.args, n.kwargs), {x: c.id for x, c in children.items()}))
+    params = tuple(p for c in children.values() for p in c.params)
+    return StepWalk("op", n, key, _key_id(an, key), params, size, children)
+
+
+def _input_walk(an: Analyzer, n: fx.Node) -> StepWalk:
+    c = an.canon.get(n, n)
+    return StepWalk("in", c, ("in", c), _key_id(an, ("in", c)), (), 0)
+
+
+def _key_id(an: Analyzer, key: tuple) -> int:
+    ids = an.memo.setdefault("walk_ids", {})
+    return ids.setdefault(key, len(ids))
+
+
+def _slice_walk(an: Analyzer, n: fx.Node, sl: tuple, bw: StepWalk) -> StepWalk:
+    """Fixed indices are the walk's params, not its structure, whether the base is an input
+    (x[:, t]) or itself computed from slices (`g[:, t]` of g = qkvg.unbind(2)[3], which
+    reads no time slice of the loop: the same tensor every step)."""
+    base, how, found = sl
+    if bw.kind == "in":
+        base = bw.node
+    size = 1 + bw.size
+    if size > MAX_STEP_NODES:
+        return _input_walk(an, n)
+    positions = tuple(pos for _, _, pos in found)
+    if how[0] == "getitem":
+        template = tuple("#" if p in positions else _frozen(i, {}) for p, i in enumerate(how[1]))
+    else:
+        template = how[1]
+    ident = bw.id
+    key = ("slice", ident, how[0], template, positions)
+    own = tuple((ident, a, i, base) for a, i, _ in found)
+    children = {} if bw.kind == "in" else {base: bw}
+    return StepWalk("slice", n, key, _key_id(an, key), bw.params + (own,), size, children, base=base, how=how)
+
+
+def _frozen(x, keys: dict):
+    """A hashable structure of node arguments, nodes replaced by their walks' keys."""
+    if isinstance(x, fx.Node):
+        return keys[x]
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__,) + tuple(_frozen(i, keys) for i in x)
+    if isinstance(x, dict):
+        return ("dict",) + tuple((k, _frozen(v, keys)) for k, v in sorted(x.items()))
+    if isinstance(x, slice):
+        return ("slice", _frozen(x.start, keys), _frozen(x.stop, keys), _frozen(x.step, keys))
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
+        raise _Unknown
+    try:
+        hash(x)
+    except TypeError:
+        raise _Unknown from None
+    return x
+
+
+@dataclass(eq=False)
+class StepLift:
+    """A per-step tensor lifted to the whole sequence (the `lifted` of an LFactor)."""
+
+    walk: StepWalk  # the step's own walk (the last step's is emitted)
+    sig: tuple  # the walk's key and its slice indices, 't' for the time index
+    varies: dict  # walk -> whether it reads a time slice
+    is_time: set
+    steps: int
+    stacks: Optional[dict]  # sig -> {tau: node} when the replay does not know an op
+
+    def deps(self) -> list:
+        if self.stacks is not None:
+            return list(self.stacks[self.sig].values())
+        found: dict = {}
+        self._deps(self.walk, found)
+        return [n for n in found if isinstance(n, fx.Node)]
+
+    def _deps(self, w: StepWalk, found: dict) -> None:
+        if not self.varies[w] or w.kind == "in":
+            found[w.node] = None
+        elif w.kind == "slice" and not self.varies_of(w):
+            found[w.base] = None
+        else:
+            for c in w.children.values():
+                self._deps(c, found)
+
+    def emit(self, em: Emitter) -> fx.Node:
+        if self.stacks is not None:
+            nodes = self.stacks[self.sig]
+            key = ("stack", self.sig)
+            if key not in em.memo:
+                em.memo[key] = em.call(torch.stack, [nodes[t] for t in range(self.steps)], 0)
+            return em.memo[key]
+        return self._emit(em, self.walk)
+
+    def _emit(self, em: Emitter, w: StepWalk) -> fx.Node:
+        if not self.varies[w]:
+            return w.node
+        key = ("replay", w.node)
+        if key not in em.memo:
+            if w.kind == "slice" and not self.varies_of(w):
+                em.memo[key] = self._emit_slice(em, w)
+            else:
+                target, args, kwargs, pads = _replay_call(w.node, self.varies_of(w), self.steps)
+                new = {}
+                for x, c in w.children.items():
+                    node = self._emit(em, c)
+                    if pads.get(x):
+                        node = em.call(operator.getitem, node, (slice(None),) + (None,) * pads[x])
+                    new[x] = node
+                args, kwargs = fx.node.map_arg((args, kwargs), new.__getitem__)
+                em.memo[key] = em.call(target, *args, op=w.node.op, **kwargs)
+        return em.memo[key]
+
+    def varies_of(self, w: StepWalk) -> set:
+        return {x for x, c in w.children.items() if self.varies[c]}
+
+    def _emit_slice(self, em: Emitter, w: StepWalk) -> fx.Node:
+        """The base with the time axis first, the other fixed indices selected."""
+        params = w.params[-1]  # the slice's own indices (its base's come first)
+        how, arg = w.how
+        if how != "getitem":
+            node = em.call(torch.movedim, w.base, arg, 0)
+            return em.call(torch.unsqueeze, node, arg + 1) if how == "narrow" else node
+        time = [p for (b, a, _, _), p in zip(params, w.key[4]) if (b, a) in self.is_time][0]
+        items = list(arg)
+        unit = isinstance(items[time], slice)
+        items[time] = slice(None)
+        node = w.base
+        if any(i != slice(None) for i in items):
+            node = em.call(operator.getitem, node, tuple(items))
+        pos = sum(1 for i in items[:time] if not _plain_int(i))  # the time axis in the result
+        if pos:
+            node = em.call(torch.movedim, node, pos, 0)
+        return em.call(torch.unsqueeze, node, pos + 1) if unit else node
+
+
+def lift_step_tensor(w: StepWalk, ctx: dict) -> tuple:
+    """(varies, sig, StepLift or None) of a step's walk: records the time indices it reads
+    in ctx; the lift is None when the walk reads no time slice (the same tensor every step)."""
+    is_time = ctx["is_time"]
+    sig = (w.key, tuple(tuple("t" if (b, a) in is_time else i for b, a, i, _ in leaf) for leaf in w.params))
+    for leaf in w.params:
+        time = [(a, i, node) for b, a, i, node in leaf if (b, a) in is_time]
+        if len(time) > 1:
+            raise Reject("an input is indexed by the step at more than one position")
+        for a, i, node in time:
+            ctx["taus"].add(i)
+            ctx["time_axes"].add((node, a))
+    if not any((b, a) in is_time for leaf in w.params for b, a, _, _ in leaf):
+        return False, sig, None  # (the params hold every slice the walk reads)
+    varies: dict = {}
+    _mark_varying(w, is_time, varies)
+    shared = ctx["shared"]
+    stacks = None
+    if not _replayable(w, varies, is_time, shared["steps"]):
+        stacks = shared["stacks"]
+        taus = {i for leaf in w.params for b, a, i, _ in leaf if (b, a) in is_time}
+        stacks.setdefault(sig, {})[next(iter(taus))] = w.node
+    return True, sig, StepLift(w, sig, varies, is_time, shared["steps"], stacks)
+
+
+def _mark_varying(w: StepWalk, is_time: set, varies: dict) -> bool:
+    if w not in varies:
+        own = w.params[-1] if w.kind == "slice" else ()
+        varies[w] = any((b, a) in is_time for b, a, _, _ in own)
+        for c in w.children.values():
+            varies[w] |= _mark_varying(c, is_time, varies)
+    return varies[w]
+
+
+def _replayable(w: StepWalk, varies: dict, is_time: set, steps: int) -> bool:
+    vary = {x for x, c in w.children.items() if varies[c]}
+    if not vary:  # an input, or a slice of a tensor that is the same every step
+        return True
+    if w.kind == "slice" and any((b, a) in is_time for b, a, _, _ in w.params[-1]):
+        return False  # a time slice of a tensor that varies: stacked
+    if _replay_call(w.node, vary, steps) is None:
+        return False
+    return all(_replayable(c, varies, is_time, steps) for c in w.children.values())
+
+
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "logsumexp", "softmax", "log_softmax", "cumsum"}
+_DIM_SLOTS = {"unsqueeze": ((1, "dim"),), "squeeze": ((1, "dim"),), "transpose": ((1, "dim0"), (2, "dim1"))}
+
+
+def _replay_call(n: fx.Node, vary: set, steps: int) -> Optional[tuple]:
+    """(target, args, kwargs, pads) that compute n over inputs with a leading time axis of
+    `steps` (the inputs in `vary`), pads[x] size-1 axes to insert after x's time axis; None
+    where not known. Dims counted from the start shift by one, negative dims stay."""
+    args, kwargs = list(n.args), dict(n.kwargs)
+    direct = [x for x in args + list(kwargs.values()) if isinstance(x, fx.Node)]
+    if any(x not in direct for x in vary):
+        return None  # a varying tensor inside a list argument
+    if is_pointwise(n):  # broadcasting: the per-step axes align to the right of time
+        if any(_rank(x) == 0 and example_value(x).dtype != example_value(n).dtype for x in vary):
+            return None  # a 0-dim tensor does not promote dtypes; with a time axis it would
+        return n.target, args, kwargs, {x: _rank(n) - _rank(x) for x in vary}
+    if not args or vary != {args[0]}:
+        return None
+    name = op_name(n)
+    fn = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if name == "identity":
+        return n.target, args, kwargs, {}
+    if name == "matmul" or fn == "linear":  # batch axes broadcast: the others' must not exist
+        others = [x for x in direct if x is not args[0]]
+        return (n.target, args, kwargs, {}) if all(_rank(x) <= 2 for x in others) else None
+    slots = _DIM_SLOTS.get(name, ((1, "dim"),) if fn in _REDUCTIONS else None)
+    if slots is not None:
+        for pos, key in slots:
+            if len(args) > pos:
+                holder, where = args, pos
+            elif key in kwargs:
+                holder, where = kwargs, key
+            elif name == "squeeze":
+                continue  # every size-1 axis (time has the loop's length, at least 2)
+            else:
+                return None
+            shifted = _shift_dims(holder[where])
+            if shifted is None:
+                return None
+            holder[where] = shifted
+        return n.target, args, kwargs, {}
+    if name == "permute" and not kwargs:
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        if not all(_plain_int(d) for d in dims):
+            return None
+        return n.target, [args[0], [0] + [d % _rank(args[0]) + 1 for d in dims]], {}, {}
+    if name == "getitem" and isinstance(example_value(args[0]), torch.Tensor) and op_name(args[0]) != "unbind":
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if not all(i is None or i is Ellipsis or isinstance(i, slice) or _plain_int(i) for i in index):
+            return None
+        return n.target, [args[0], (slice(None),) + index], {}, {}
+    if n.op == "call_method" and n.target in ("expand", "view", "reshape") and not kwargs:
+        sizes = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        if not all(_plain_int(s) for s in sizes):
+            return None
+        if n.target == "expand":
+            return "expand", [args[0], -1, *sizes], {}, {}
+        return "reshape", [args[0], steps, *sizes], {}, {}  # time first is no view of the step's layout
+    return None
+
+
+def _shift_dims(dims):
+    """Dims of a per-step tensor in the same tensor with time first."""
+    if _plain_int(dims):
+        return dims + 1 if dims >= 0 else dims
+    if isinstance(dims, (list, tuple)) and dims and all(_plain_int(d) for d in dims):
+        return type(dims)(d + 1 if d >= 0 else d for d in dims)
+    return None

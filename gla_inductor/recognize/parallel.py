@@ -36,7 +36,7 @@ from .consts import _hint, example_value
 from .emit import Emitter, Group, LFactor, sizes_from
 from .loop import Reject, _cast, _lfactor
 from .match import Match, NearMiss
-from . import placement
+from . import periodic, placement
 
 # Weights are checked on a sequence of this many steps: the indicators a weight sums depend
 # only on where u lies against i, against j and against the two ends, and every such case
@@ -112,7 +112,8 @@ def analyze(an: Analyzer, node: fx.Node):
 def _candidates(an: Analyzer) -> dict:
     if "parallel_candidates" not in an.memo:
         cands = {}
-        for n in an.graph.nodes:
+        unread = periodic.unread(an, lambda n: _candidate(an.value(n)) is not None)
+        for n in (n for n in an.graph.nodes if n not in unread):
             c = _candidate(an.value(n))
             if c is not None:
                 cands[n] = c
