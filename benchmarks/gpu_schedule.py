@@ -3,7 +3,8 @@
     python benchmarks/gpu_schedule.py [--out sweep.json] [--shape 8,2048,16,128,128] [--gate vector]
 
 Times ``chunk_fwd_triton`` (median of ``triton.testing.do_bench``) for the fused schedule (one scan)
-over value tiles, warps and stages, and for the split schedule (states scan, then the chunk-parallel
+over value tiles, warps and stages (and 128-step chunks), for the local schedule over the carry's
+tiles, and for the split schedule (states scan, then the chunk-parallel
 output kernel) over the output kernel's tiles; every config is checked against the default one.
 """
 
@@ -53,6 +54,14 @@ def main():
             tile = TileConfig(block_v=bv, num_warps=warps, num_stages=2)
             configs.append((f"split out BV={bv} w={warps}", dataclasses.replace(base, split=True, output=tile)))
 
+    for bv in (32, 64):  # longer chunks: half the scan's sequential steps, each with larger dots
+        for warps in (4, 8):
+            tile = TileConfig(block_v=bv, num_warps=warps, num_stages=2)
+            configs.append((f"fused BT=128 BV={bv} w={warps}", dataclasses.replace(base, block_t=128, scan=tile)))
+    for bv in (32, 64):  # the local schedule (chunk-local terms, then the carry scan)
+        for warps in (4, 8):
+            tile = TileConfig(block_v=bv, num_warps=warps, num_stages=2)
+            configs.append((f"local carry BV={bv} w={warps}", dataclasses.replace(base, local=True, carry=tile)))
     if args.only:  # the default stays, as the baseline
         configs = [(n, c) for n, c in configs if n == "default" or any(o in n for o in args.only.split("|"))]
     rows = []

@@ -37,6 +37,7 @@ MODES = {  # template, extra options, main output (rank, dtype)
     "carry": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True),
               (4, "bf16")),
     "local": ("gla_chunk_local", dict(TRANSPOSE=False, BKS=64), (4, "bf16")),
+    "dqkg": ("gla_chunk_bwd_dqkg", dict(), (4, "bf16")),  # BK: the dqkg tile's block_k
 }
 
 
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--fp32", action="store_true", help="fp32 inputs under 'highest' precision ('tf32x3' dots)")
     p.add_argument("--k", type=int, default=128)
     p.add_argument("--v", type=int, default=128)
+    p.add_argument("--gate-fn", default="", help="a fused gate function (gates.GATE_FNS)")
     p.add_argument("--no-specialize", action="store_true", help="sizes without divisibility (as before)")
     args = p.parse_args()
 
@@ -60,8 +62,11 @@ def main():
                                       torch.device("cpu"))
     cfg = triton_chunk.ChunkConfig(**{**cfg.__dict__, "block_t": args.bt})
     dtype = torch.float32 if args.fp32 else torch.bfloat16
-    options = triton_chunk.kernel_options(cfg, dtype, args.k, args.gate, args.k ** -0.5, False, False, GateFn())
+    gate_fn = GateFn(args.gate_fn, 1 / 16) if args.gate_fn else GateFn()
+    options = triton_chunk.kernel_options(cfg, dtype, args.k, args.gate, args.k ** -0.5, False, False, gate_fn)
     options.update(extra, BV=args.bv)
+    if args.mode == "dqkg":
+        options["BK"] = triton_chunk.dqkg_block_k(cfg, options)
     ranks = {n: r for n, (r, _) in TENSORS.items()}
     ranks[standalone.OUT] = out_rank
     if args.gate == "scalar":

@@ -10,8 +10,11 @@ clamp is to [lo, hi] (either optional). Passed ``gate_fn`` and its parameters, t
 they would read g, and the kernels apply the function as they load it (``_gla_gate`` in
 ``templates/gla_common.py.jinja``), so no gate tensor of x's size is ever written; x has the shape
 of g, [B, T, H, K] (vector) or [B, T, H] (scalar). ``a`` is [H]; ``bias`` is shaped like x's head
-dimensions, [H, K] or [H]. The ops' backward returns the gradient w.r.t. x (and a, bias): the
-kernels compute the log gate's gradient, and ``gate_grads`` applies the function's derivative.
+dimensions, [H, K] or [H]. The ops' backward returns the gradient w.r.t. x (and a, bias). For
+"logsigmoid", which has no parameters, the kernels apply the function's derivative themselves as
+they store the gradient (``GateFn.input_grad``): no log-gate gradient of x's size is written and
+read again. For "softplus" they return the log gate's gradient, which ``gate_grads`` turns into
+those of x, a and bias (the sums giving a's and bias's gradients need it).
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ class GateFn:
     def __post_init__(self):
         if self.name not in _CODES:
             raise ValueError(f"gate_fn must be one of {GATE_FNS} (or empty), got {self.name!r}")
+
+    @property
+    def input_grad(self) -> bool:
+        """Whether the ops' backward returns the gradient w.r.t. x itself (in x's dtype) rather
+        than w.r.t. the log gate (fp32, for ``gate_grads``): for functions without parameters."""
+        return self.name == "logsigmoid"
 
     def kernel_options(self) -> dict:
         """The kernels' constexprs (finite floats: the options are emitted as code)."""

@@ -716,16 +716,23 @@ def chunk_bwd(
 
     Returns (dq, dk, dv, dg, dg_gamma, dh0), each shaped like its input (dq, dk grouped like q, k);
     [0] for an absent input.
-    With ``gate_fn``, dg is the gradient w.r.t. the log gate, in the compute dtype (fp32 or fp64),
-    which ``gates.gate_grads`` turns into those w.r.t. the gate function's inputs.
+    With ``gate_fn``, dg is the gradient w.r.t. g itself, like g, for a function without parameters
+    (``GateFn.input_grad``: the kernels apply its derivative as they store dg); otherwise the gradient
+    w.r.t. the log gate, in the compute dtype (fp32 or fp64), which ``gates.gate_grads`` turns into
+    those w.r.t. the gate function's inputs.
     """
     fn = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
     impl = _CUDA_IMPL["bwd"] if q.is_cuda else None
     if impl is not None:
         return impl(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse,
                     gate=fn, gate_a=gate_a, gate_bias=gate_bias)
+    x = g
     g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
-    return _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    grads = _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    if fn.input_grad:
+        dx = gate_grads(grads[3], x, fn, gate_a, gate_bias)[0].to(x.dtype)
+        grads = (*grads[:3], dx, *grads[4:])
+    return grads
 
 
 @chunk_bwd.register_fake
@@ -738,7 +745,7 @@ def _chunk_bwd_fake(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse,
         return q.new_empty(0) if x is None else x.new_empty(x.shape)
 
     grads = [grad_like(x) for x in (q, k, v, g, g_gamma, initial_state)]
-    if gate_fn:
+    if gate_fn and not GateFn(gate_fn).input_grad:
         grads[3] = g.new_empty(g.shape, dtype=_compute_dtype(q, k, v, g, initial_state, gate_a, gate_bias))
     return tuple(grads)
 
@@ -765,7 +772,7 @@ def _chunk_fwd_backward(ctx, do, dht):
         fn.name, fn.scale, fn.lo, fn.hi, gate_a, gate_bias,
     )
     da = dbias = None
-    if fn.name:
+    if fn.name and not fn.input_grad:
         dg, da, dbias = gate_grads(dg, g, fn, gate_a, gate_bias)
         dg = dg.to(g.dtype)
         da = None if da is None else da.to(gate_a.dtype)

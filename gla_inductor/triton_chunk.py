@@ -124,6 +124,21 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
     return fallback
 
 
+def dqkg_tile(BK: int, BV: int, vector_gate: bool, warps: int, stages: int) -> TileConfig:
+    """gla_chunk_bwd_dqkg's tile. Vector gates from K = 128: key tiles of 32 with 4 warps, from
+    sweeps on an H100 (benchmarks/gpu_dqkg_sweep.py): at (8, 2048, 16, 128, 128) 0.769 against
+    0.845 ms for 64 keys and 8 warps (0.881 against 0.981 with the fused logsigmoid gate; 8 warps on
+    [64, 64] tiles ran at 255 registers with spills, one program per SM); at (8, 2048, 4, 256, 512)
+    0.666 against 0.707. Value tiles of 128 gave 0.627 there (80 KB of shared memory compiled for
+    sm_90), but no GPU test has run them yet. Scalar and constant gates take all of K (their dg
+    sums over keys)."""
+    if not vector_gate:
+        return TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages, block_k=BK)
+    if BK >= 128:
+        return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=stages, block_k=32)
+    return TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages, block_k=min(BK, 64))
+
+
 def local_schedule(BK: int, vector_gate: bool) -> bool:
     """Whether the local schedule (gla_chunk_local, then gla_chunk_carry) beats the fused scan, from
     an H100 sweep (benchmarks/results/h100-2026-11-22-local.md): for vector gates from K = 128 on
@@ -188,12 +203,14 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         states=scan,
         dual=scan,
         output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages),
-        dqkg=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages,
-                        block_k=min(BK, 64) if vector_gate else BK),
+        dqkg=dqkg_tile(BK, BV, vector_gate, warps, stages),
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
         local=local,
-        # 8 warps for the [256, BV] state of K = 256 (4 warps spilled)
-        carry=TileConfig(block_v=64, num_warps=4 if BK <= 128 else 8, num_stages=stages),
+        # 4 warps for 16-bit inputs: at (8, 2048, 4, 256, 512), vector gate, H100, the three carries
+        # of fwd+bwd took 677 against 744 us with 8 (forward alone 0.386 against 0.426 ms), though
+        # the [256, BV] state spills; fp32 at K = 256 keeps 8 (untimed; twice the operand bytes)
+        carry=TileConfig(block_v=64, num_warps=4 if BK <= 128 or dtype != torch.float32 else 8,
+                         num_stages=stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
     )
 
@@ -424,11 +441,12 @@ def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dg_gamma, dh0), each like its input; an empty [0] where the input is None.
 
-    With ``gate``, dg is the fp32 gradient w.r.t. the log gate (``gates.gate_grads`` goes on)."""
+    With ``gate``, dg is the gradient w.r.t. g itself where ``gate.input_grad``, else the fp32 gradient
+    w.r.t. the log gate (``gates.gate_grads`` goes on)."""
     gate = gate or GateFn()
     dq, dk = (_head_grad(x, v) for x in (q, k))
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dg_dtype = None if g is None else torch.float32 if gate.name else g.dtype
+    dg_dtype = None if g is None else torch.float32 if gate.name and not gate.input_grad else g.dtype
     dg = q.new_empty(0) if g is None else torch.empty(g.shape, dtype=dg_dtype, device=g.device)
     dh0 = q.new_empty(0) if initial_state is None else torch.empty(
         initial_state.shape, dtype=initial_state.dtype, device=initial_state.device)

@@ -114,15 +114,21 @@ def test_kernels_match_the_explicit_gate(gate, vector):
     do = torch.randn_like(o)
     dg = triton_chunk.chunk_bwd_triton(q, k, v, xg, None, h0, do, None, 0.3, False, gate=fn, gate_a=a,
                                        gate_bias=bias)[3]
-    assert dg.dtype == torch.float32  # the log gate's gradient, before the function's derivative
-    g64 = g.detach().requires_grad_()
+    # logsigmoid: the kernels return x's gradient (GateFn.input_grad); softplus: the log gate's, fp32
+    x64 = xg.double().requires_grad_()
+    g64 = log_gate(x64, fn, None if a is None else a.double(), None if bias is None else bias.double(),
+                   torch.float64)
     o64b, _ = naive_recurrent_gla(q.double(), k.double(), v.double(), g64, initial_state=h0.double(), scale=0.3)
-    (dg64,) = torch.autograd.grad((o64b * do.double()).sum(), [g64])
-    for name, got, want in (("o", o, o64), ("ht", ht, ht64), ("dg", dg, dg64)):
+    dx64, dg64 = torch.autograd.grad((o64b * do.double()).sum(), [x64, g64])
+    assert dg.dtype == (xg.dtype if fn.input_grad else torch.float32)
+    want_dg = dx64 if fn.input_grad else dg64
+    for name, got, want in (("o", o, o64), ("ht", ht, ht64), ("dg", dg, want_dg)):
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err <= 1e-4, f"{name}: relative error {err:.2e}"
-    dx = gate_grads(dg, xg, fn, a, bias)[0]
-    assert dx.shape == xg.shape
+    if not fn.input_grad:
+        dx = gate_grads(dg, xg, fn, a, bias)[0]
+        err = ((dx.double() - dx64).norm() / dx64.norm()).item()
+        assert err <= 1e-4, f"dx: relative error {err:.2e}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -274,6 +274,9 @@ def test_fused_gate_is_computed_by_the_templates(gate_fn):
     assert others == ([] if gate_fn == "logsigmoid" else ["triton_poi_fused_exp_neg_unsqueeze_0"]), kernels
     assert not EXTERN_CALL.search(fwd_code + bwd_code)
     assert bwd_code.count(SCAN_KERNEL) == 2 and bwd_code.count(DQKG_KERNEL) == 1
+    if gate_fn == "logsigmoid":  # x's gradient comes from the dq/dk/dg template (GateFn.input_grad)
+        bwd_kernels = re.findall(r"def (triton_\w+)\(", bwd_code)
+        assert all(k.startswith("triton_tem") for k in bwd_kernels), bwd_kernels
 
     ref_args = [a.detach().double().requires_grad_() for a in args]
     g64 = ((F.logsigmoid(ref_args[3]) / 16).clamp_min(-0.5) if gate_fn == "logsigmoid"

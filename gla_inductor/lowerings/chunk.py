@@ -365,8 +365,9 @@ def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_
     group = plan.group
     dk = _empty((B, T, H, K), k_dtype if group == 1 else torch.float32, device)
     if g is not None:
-        # a fused gate's dg is the log gate's gradient, fp32 (the op's autograd goes on to x)
-        dg = _empty(g.get_size(), torch.float32 if gate.name else g.get_dtype(), device)
+        # a fused gate's dg is x's gradient (gate.input_grad) or the log gate's, fp32 (the op's
+        # autograd goes on to x)
+        dg = _empty(g.get_size(), torch.float32 if gate.name and not gate.input_grad else g.get_dtype(), device)
     elif g_gamma is not None:
         dg = _empty((B, T, H), torch.float32, device)
     else:
