@@ -116,8 +116,11 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
     is done once per 128 values instead of 64), other gates with 4 warps and BV = 64 up to K = 128
     (0.35 against 0.49 ms at (8, 2048, 16, 128, 128)). At K = 256 the two sweeps of the scalar
     gate disagreed (4 warps 1.41 ms with a bf16 gate, 2.47 ms with an fp32 one): ``fallback``,
-    whose stage count the others take too."""
-    if vector_gate:
+    whose stage count the others take too. So do vector gates past K = 128 (where the local
+    schedule is the default): a forced fused scan at K = 256, BV = 128 asked the H100 for 240 KB of
+    shared memory in a bf16 test (V = 200, initial and final state); compiled offline for sm_90,
+    value tiles of 32 take 172 KB."""
+    if vector_gate and BK <= 128:
         return TileConfig(block_v=min(BV, 128), num_warps=4 if BK <= 32 else 8, num_stages=fallback.num_stages)
     if BK <= 128:
         return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=fallback.num_stages)

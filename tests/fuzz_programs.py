@@ -360,10 +360,6 @@ def loop_gap(c: dict, d: dict) -> Optional[str]:
     """Why the recognizer does not cover this GLA loop spelling yet; None when it must."""
     if d["K"] == 1 or d["V"] == 1:
         return "K or V of size 1: the outer product k^T v reads as an elementwise product"
-    if c["slicing"] == "rows" and c["assembly"] == "setitem":
-        return "outputs assigned to a time slice, o[:, :, t:t + 1] = ..."
-    if c["init"] == "none_first" and "bmm" in (c["outer"], c["read"]) and not LAYOUTS[c["layout"].lower()].flat:
-        return "the first state is the outer product itself (S = kv if S is None), with bmm on reshaped heads"
     return None
 
 
@@ -625,10 +621,6 @@ def parallel_gap(c: dict, d: dict) -> Optional[str]:
     """Why the recognizer does not cover this GLA spelling yet; None when it must."""
     if d["K"] == 1 or d["V"] == 1:
         return "K or V of size 1: the contraction over it reads as a broadcast"
-    flat = LAYOUTS[c["layout"].lower()].flat
-    reshaped = not flat and "bmm" in (c["scores"], c["out"]) and d["B"] > 1 and d["H"] > 1
-    if reshaped and (c["gate"] in ("scalar", "vector") or c["h0"] or c["final_state"]):
-        return "heads flattened by reshape(B * H, ...) for bmm, with a gate over time or a state"
     return None
 
 

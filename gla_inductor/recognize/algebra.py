@@ -191,6 +191,7 @@ class Analyzer:
         self._cache: dict[fx.Node, Optional[AV]] = {}
         self.canon = _value_numbering(self.nodes, self.writes, keys)
         self.memo: dict = {}  # results the recognizers share (the state updates of loop.py)
+        self._consumers: dict = {}  # node -> non-view readers, through views (see consumers)
         self.versions = _versions(self.nodes, self.order, self.writes, keys)
         self.readers: dict = {}  # node -> consumers that read it through a tensor it was written into
         for (consumer, _), value in self.versions.items():
@@ -500,10 +501,20 @@ class Analyzer:
         root = av.root.atom.node if av.root is not None else node
         if op_name(node) in ("add", "sub", "rsub") or op_name(root) in ("add", "sub", "rsub"):
             return True
-        if len(node.users) > 1 and av.terms:
+        # consumers counted through views: `kv = bmm(k, v).view(..)` read by a reshape for the
+        # query and by the next update is used twice, though each node has one user
+        if max(len(node.users), self.consumers(root)) > 1 and av.terms:
             atoms = sum(1 for f in av.terms[0][1] if f.kind == "atom")
             return atoms >= 2
         return False
+
+    def consumers(self, node: fx.Node) -> int:
+        """How many nodes that are not views read `node`, directly or through views of it."""
+        count = self._consumers.get(node)
+        if count is None:
+            count = sum(self.consumers(u) if op_name(u) in _VIEW_OPS else 1 for u in node.users)
+            self._consumers[node] = count
+        return count
 
     def _binary_labels(self, a_rank: int, b_rank: int):
         n = max(a_rank, b_rank)

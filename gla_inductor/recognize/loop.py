@@ -33,8 +33,8 @@ import torch
 import torch.fx as fx
 
 from .algebra import (
-    _VIEW_OPS, AV, Analyzer, Atom, Factor, Mono, _rank, _unit_slice, comps, factor_vars, is_pointwise, mono_vars,
-    op_name, out_vars, storage_root,
+    _VIEW_OPS, AV, Analyzer, Atom, Factor, Mono, _rank, _unit_slice, comps, factor_vars, is_pointwise, make_entry,
+    mono_vars, op_name, out_vars, storage_root,
 )
 from .consts import example_value, written_args
 from .emit import Emitter, Group, LFactor, sizes_from
@@ -53,6 +53,10 @@ class Step:
     prev: Optional[fx.Node]  # the previous state, None when it is zero
     decay: Optional[Mono]  # the decay monomial without the previous-state factor
     outer: Mono
+    # the update reads the previous state through a view of another shape (same elements,
+    # same order): fine for a state of the loop, which takes the update's shape (see
+    # _align_states), not for an initial state the op would read as the update's shape
+    prev_view: bool = False
 
 
 @dataclass
@@ -74,6 +78,8 @@ class Assembly:
     dim: int  # the time axis of the result
     positions: list = field(default_factory=list)  # setitem: the time index of each element
     setitems: list = field(default_factory=list)
+    # setitem through a one-step slice, `o[:, :, t:t + 1] = o_t`: the slot keeps the time axis
+    keeps_time: bool = False
 
 
 # ---- reading nodes ---------------------------------------------------------------------
@@ -85,13 +91,13 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
         return None
     out_set = out_vars(av.out)
     decay = outer = None
-    prev = None
+    prev, prev_view = None, False
     for coef, fs in av.terms:
         if not mono_vars((coef, fs)) <= out_set:
             return None
         pf = [f for f in fs if _is_full_atom(f, av.out)]
         if len(pf) == 1 and decay is None:
-            prev = pf[0].atom.node
+            prev, prev_view = pf[0].atom.node, _grouping(pf[0].idx) != _grouping(av.out)
             decay = (coef, tuple(f for f in fs if f is not pf[0]))
         elif not pf and outer is None:
             outer = (coef, fs)
@@ -99,7 +105,7 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
             return None
     if outer is None or not _is_outer_product(outer, out_set):
         return None
-    return Step(node, av, prev, decay, outer)
+    return Step(node, av, prev, decay, outer, prev_view)
 
 
 def _is_outer_product(m: Mono, out_set: set) -> bool:
@@ -117,7 +123,42 @@ def _is_outer_product(m: Mono, out_set: set) -> bool:
 
 
 def _is_full_atom(f: Factor, out: tuple) -> bool:
-    return f.kind == "atom" and not f.atom.fixed and f.idx == out and _rank(f.atom.node) == len(out)
+    """Whether f is a whole tensor read element for element as `out`, possibly through a view
+    of another shape: the same variables in the same row-major order (a first state
+    `bmm(k, v)` of [B * H, K, V] viewed as [B, H, K, V] by the update that decays it)."""
+    return f.kind == "atom" and not f.atom.fixed and _flat(f.idx) == _flat(out)
+
+
+def _flat(entries) -> list:
+    return [c for e in entries for c in comps(e)]
+
+
+def _grouping(entries) -> list:
+    return [len(comps(e)) for e in entries]
+
+
+def _regrouped(an: Analyzer, st: Step, like: tuple) -> Optional[Step]:
+    """st with its axes grouped like `like` (the next step's), when both hold the same
+    elements in the same order: only the shape of the state differs, not its values."""
+    flat, target = _flat(st.av.out), _flat(like)
+    if len(flat) != len(target) or any(an.sizes[a] != an.sizes[b] for a, b in zip(flat, target)):
+        return None
+    it = iter(flat)
+    out = tuple(make_entry([next(it) for _ in comps(e)]) for e in like)
+    return Step(st.node, AV(out, st.av.terms, st.av.keep, st.av.origin, st.av.root), st.prev, st.decay, st.outer)
+
+
+def _align_states(an: Analyzer, found: dict) -> None:
+    """Give a state the shape of the step that updates it, where the two differ (the first
+    state computed by bmm on flattened heads): letters are read by axis position."""
+    for st in list(found.values()):
+        prev = found.get(st.prev) if isinstance(st, Step) and st.av is not None else None
+        if isinstance(prev, Step) and prev.av is not None and _grouping(prev.av.out) != _grouping(st.av.out):
+            aligned = _regrouped(an, prev, st.av.out)
+            if aligned is None:  # the view splits the state's own axes: no step-by-step reading
+                found[st.node] = "a state is viewed in a shape whose axes its update splits"
+            else:
+                found[st.prev] = aligned
 
 
 def diagnose_update(an: Analyzer, node: fx.Node) -> Optional[str]:
@@ -194,11 +235,11 @@ def _find_outputs(an: Analyzer) -> list[Assembly]:
     for buf, writes in buffers.items():
         if None in writes or not writes:
             continue
-        axes = {a for _, (a, _), _ in writes}
+        axes = {(a, keeps) for _, (a, _, keeps), _ in writes}
         if len(axes) != 1:
             continue
-        a = axes.pop()
-        asm = Assembly("setitem", buf, [w[2] for w in writes], a)
+        a, keeps = axes.pop()
+        asm = Assembly("setitem", buf, [w[2] for w in writes], a, keeps_time=keeps)
         asm.positions = [w[1][1] for w in writes]
         asm.setitems = [w[0] for w in writes]
         found.append(asm)
@@ -210,7 +251,8 @@ def _fresh(an: Analyzer, consumer: fx.Node, x: fx.Node) -> bool:
 
 
 def _time_index(buf, index) -> Optional[tuple]:
-    """(axis, t) for an index that is full slices except one integer."""
+    """(axis, t, keeps_time) for an index that is full slices except on one axis, where it
+    is an integer t (keeps_time False) or a one-step slice t:t + 1 (keeps_time True)."""
     if not isinstance(buf, fx.Node):
         return None
     rank = _rank(buf)
@@ -220,13 +262,21 @@ def _time_index(buf, index) -> Optional[tuple]:
         i = index.index(Ellipsis)
         index = index[:i] + (slice(None),) * (rank - len(index) + 1) + index[i + 1 :]
     index = index + (slice(None),) * (rank - len(index))
-    ints = [(a, i) for a, i in enumerate(index) if isinstance(i, int) and not isinstance(i, bool)]
-    full = all(i == slice(None) for i in index if not isinstance(i, int))
-    if len(ints) != 1 or not full or len(index) != rank:
+    if len(index) != rank:
         return None
-    a, t = ints[0]
-    size = _size(buf, a)
-    return a, (t % size if isinstance(size, int) else t)
+    picks = []
+    for a, i in enumerate(index):
+        if isinstance(i, int) and not isinstance(i, bool):
+            size = _size(buf, a)
+            picks.append((a, i % size if isinstance(size, int) else i, False))
+        elif not isinstance(i, slice):
+            return None
+        elif i != slice(None):
+            t = _unit_slice(i, _size(buf, a))
+            if t is None or t == "full":
+                return None
+            picks.append((a, t, True))
+    return picks[0] if len(picks) == 1 else None
 
 
 def _size(node: fx.Node, axis: int):
@@ -242,12 +292,14 @@ def find_steps(an: Analyzer) -> tuple[dict, list]:
         proofs = periodic.find(an, find_outputs(an))
         skip = set().union(*(p.nodes for p in proofs))
         found = {n: _read_node(an, n) for n in an.graph.nodes if n not in skip}
+        _align_states(an, found)
         for p in proofs:
             if _samples_parse(an, p, found):
                 found.update((p.states[i], Step(p.states[i], None, p.states[i - 1], None, None)) for i in p.interior)
             else:  # parsed after all, in graph order (each step's normal form reads the last's)
                 p.failed = True
                 found.update((n, _read_node(an, n)) for n in an.graph.nodes if n in p.nodes)
+                _align_states(an, found)
         steps = {n: found[n] for n in an.graph.nodes if isinstance(found.get(n), Step)}
         near = [NearMiss("loop", found[n], [n]) for n in an.graph.nodes if isinstance(found.get(n), str)]
         an.memo["steps"] = (steps, near)
@@ -439,15 +491,15 @@ def _state_letters(an: Analyzer, out: tuple, roles: Roles) -> Letters:
     return letters
 
 
-def _read_letters(rd: Read, st: Step, letters: Letters) -> dict:
+def _read_letters(an: Analyzer, rd: Read, st: Step, letters: Letters) -> dict:
     """The read's variables named by the letters of the step's (position by position)."""
     res = {}
-    for e_read, e_state in zip(rd.state_factor.idx, st.av.out):
-        cr, cs = comps(e_read), comps(e_state)
-        if len(cr) != len(cs):
-            raise Reject("the read splits the state's axes differently from its update")
-        for r, s in zip(cr, cs):
-            res[r] = letters.of_var[s]
+    # position by position in row-major order: the read may view the state in another shape
+    cr, cs = _flat(rd.state_factor.idx), _flat(st.av.out)
+    if len(cr) != len(cs) or any(an.sizes[r] != an.sizes[s] for r, s in zip(cr, cs)):
+        raise Reject("the read splits the state's axes differently from its update")
+    for r, s in zip(cr, cs):
+        res[r] = letters.of_var[s]
     res[rd.kvar] = "k"
     return res
 
@@ -479,6 +531,8 @@ class _EveryStep(Exception):
 
 
 def _analyze(an: Analyzer, chain: list[Step], outputs: list, single: bool, proof) -> Match:
+    if chain[0].prev is not None and chain[0].prev_view:
+        raise Reject("the initial state is read through a view of another shape")
     states = {st.node: i for i, st in enumerate(chain)}
     if single:
         asm = _read_of_step(an, chain[0])
@@ -558,6 +612,9 @@ def _check_time_order(asm: Assembly, reads: dict, tau_of: dict) -> None:
     positions = asm.positions if asm.kind == "setitem" else list(range(len(asm.elements)))
     if taus != list(positions):
         raise Reject("the outputs are not assembled in time order (o[t] must hold step t)")
+    if asm.kind == "setitem" and _size(asm.result, asm.dim) != len(positions):
+        # rows no step writes keep the buffer's own values, which the op's output lacks
+        raise Reject("the output buffer has more time steps than the loop writes")
 
 
 def _check_state_free(chain: list[Step], seen: list[Step], reads: dict) -> None:
@@ -661,6 +718,8 @@ def _proven_reads(an: Analyzer, chain, states, proof) -> dict:
 
 def _roles(st: Step, rd: Read) -> Roles:
     """Roles of the state's axes, from the last step parsed (every step has its structure)."""
+    if _grouping(rd.state_factor.idx) != _grouping(st.av.out):
+        raise Reject("the last state is read in another shape than its update's")
     kpos = rd.state_factor.idx.index(rd.kvar)
     out = st.av.out
     kvars = set(comps(out[kpos]))
@@ -710,7 +769,7 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
     if rd is not None:
         if rd.state is not st.node:
             raise Reject("an output reads a state other than the one its step produced")
-        rletter = _read_letters(rd, st, letters)
+        rletter = _read_letters(an, rd, st, letters)
         res["q"] = _group(rd.q, 1.0, rletter, ctx, allow_empty=False)
         res["scale"] = rd.coef
         res["read_groups"] = letters.groups(rd.av.out, rletter)
@@ -925,13 +984,18 @@ def _assembly_groups(asm: Assembly, elem: list) -> list:
         if elem[asm.dim] != "1":
             raise Reject("the concatenated outputs are not one step long")
         return elem[: asm.dim] + ["t"] + elem[asm.dim + 1 :]
-    # setitem: the value broadcasts into the slot (the buffer without its time axis)
-    slot = _rank(asm.result) - 1
+    # setitem: the value broadcasts into the slot (the buffer without its time axis, or with
+    # it at size 1 for a one-step slice)
+    slot = _rank(asm.result) - (not asm.keeps_time)
     while len(elem) > slot and elem[0] == "1":
         elem = elem[1:]
     if len(elem) != slot:
         raise Reject("the written output does not fill the buffer slot")
-    return elem[: asm.dim] + ["t"] + elem[asm.dim :]
+    if not asm.keeps_time:
+        return elem[: asm.dim] + ["t"] + elem[asm.dim :]
+    if elem[asm.dim] != "1":
+        raise Reject("the written outputs are not one step long")
+    return elem[: asm.dim] + ["t"] + elem[asm.dim + 1 :]
 
 
 def _role_sizes(last, letters: Letters, single: bool) -> dict:

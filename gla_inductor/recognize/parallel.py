@@ -156,8 +156,9 @@ def _same_inputs(a: Candidate, b: Candidate) -> bool:
 def _roles(av: AV, term) -> Roles:
     coef, fs = term
     atoms = [f for f in fs if f.kind == "atom"]
-    out = [v for v in av.out if v is not None]
-    summed = mono_vars(term) - set(out)
+    # time and value are single axes; batch entries may be roles merged (B * H for bmm)
+    out = [v for v in av.out if type(v) is int]
+    summed = mono_vars(term) - out_vars(av.out)
     others = [f for f in fs if f.kind != "atom"]
     other_vars = set().union(*[factor_vars(f) for f in others]) if others else set()
 
@@ -189,7 +190,7 @@ def _roles(av: AV, term) -> Roles:
     i = i_c[0]
     if kk in factor_vars(v) or i in factor_vars(k) or i in factor_vars(v):
         raise Reject("inputs are indexed by the wrong axes")
-    batch = [x for x in out if x not in (i, vv)]
+    batch = [x for e in av.out if e not in (i, vv) for x in comps(e)]
     if len(batch) > 2:
         raise Reject(f"{len(batch)} batch axes; at most 2 (batch, head) are supported")
     return Roles(q, k, v, i, j, kk, vv, batch)
@@ -308,7 +309,9 @@ class Use:
     (`kind` fwd: X_t = sum_{u <= t} s_u, rev: sum_{u >= t}, raw: X = s)."""
 
     coef: float
-    source: tuple  # (node of s, role letters of its axes, 't' for time)
+    # s with role letters ('t' for time); an axis the code merged from roles (g reshaped to
+    # [B * H, T] for bmm) carries several letters and is unflattened when the gate is emitted
+    source: LFactor
     kind: str
     pos: str  # "i" | "j" | "first" | "last"
 
@@ -380,12 +383,13 @@ def _use(an: Analyzer, c: float, f: Factor, times: dict, letter: dict, T: int) -
     src, dim, kind = _cumulative(an, node)
     rank = _rank(node)
     free, fixed = f.atom.free_axes(), dict(f.atom.fixed)
-    pos, letters = None, ""
+    pos, per_axis = None, []
     for axis in range(rank):
         if axis in fixed:
             if kind == "raw" or axis != dim:
                 raise Reject("the decay exponent indexes a gate at an integer position")
-            pos, letters = _end(fixed[axis], T), letters + "t"
+            pos = _end(fixed[axis], T)
+            per_axis.append(("t", None))
             continue
         x = f.idx[free.index(axis)]
         if x in times:
@@ -393,16 +397,19 @@ def _use(an: Analyzer, c: float, f: Factor, times: dict, letter: dict, T: int) -
                 raise Reject("a decay exponent term is not indexed by exactly one time axis")
             if kind != "raw" and axis != dim:
                 raise Reject("the decay is not built from a cumulative sum over time")
-            pos, letters = times[x], letters + "t"
+            pos = times[x]
+            per_axis.append(("t", None))
         elif x is None:
-            letters += "1"
-        elif x in letter:
-            letters += letter[x]
+            per_axis.append(("1", (1,)))
+        elif all(p in letter for p in comps(x)):  # a role, or roles merged by a reshape
+            per_axis.append(("".join(letter[p] for p in comps(x)), tuple(an.sizes[p] for p in comps(x))))
         else:
             raise Reject("the gate is indexed by an unknown axis")
     if pos is None:
         raise Reject("a decay exponent term is not indexed by a time axis")
-    return Use(c, (src, letters), kind, pos)
+    if len(set("".join(ls for ls, _ in per_axis)) - {"1"}) != sum(len(ls) for ls, _ in per_axis if ls != "1"):
+        raise Reject("the gate repeats a role axis")
+    return Use(c, _lfactor(src, (), per_axis), kind, pos)
 
 
 def _end(index: int, T: int) -> str:
@@ -523,9 +530,9 @@ def _gate(an: Analyzer, exps: list, r: Roles, letter: dict, reverse: bool, T: in
     weights = {s: c for s, c in weights.items() if abs(c) > COEF_RTOL}
     if not weights:
         return Gate("none", [])
-    terms = [(c, LFactor(node, letters)) for (node, letters), c in weights.items()]
-    kind = "vector" if any("k" in letters for _, letters in weights) else "scalar"
-    reads = [x.source[0] for x in ex.uses] + [f.atom.node for f in _atoms(exps)]
+    terms = [(c, source) for source, c in weights.items()]
+    kind = "vector" if any("k" in source.letters for source in weights) else "scalar"
+    reads = [x.source.node for x in ex.uses] + [f.atom.node for f in _atoms(exps)]
     return Gate(kind, terms, weights, reads)
 
 
@@ -777,10 +784,10 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
         return _lfactor(f.atom.node, f.atom.fixed, [axis(x, tvar) for x in f.idx])
 
     q, k, v = lf(r.q, r.i), lf(r.k, r.j), lf(r.v, r.j)
-    out_axes = [axis(x, r.i) for x in av.out]
-    if any(len(ls) > 1 for ls, _ in out_axes):
-        raise Reject("the output merges role axes")
-    out_letters = "".join(ls for ls, _ in out_axes)
+    # one group of letters per output axis: "bh" where the code flattened the heads for bmm
+    out_groups = [ls for ls, _ in (axis(x, r.i) for x in av.out)]
+    if any(len(ls) > 1 and not set(ls) <= set("bh") for ls in out_groups):
+        raise Reject("the output merges role axes other than batch and heads")
     sizes = sizes_from([q, k, v])
     if not all(c in sizes for c in "tkv"):
         raise Reject("the sizes of the inputs could not be read")
@@ -804,7 +811,7 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
         op = em.call(torch.ops.gla_inductor.chunk_fwd.default, qn, kn, vn, g, g_gamma, h0n, float(coef),
                      bool(finals), reverse)
         o = em.call(operator.getitem, op, 0)
-        txn.replace_all_uses(node, _cast(em, em.relayout(o, "bthv", out_letters), node))
+        txn.replace_all_uses(node, _cast(em, em.relayout(o, "bthv", out_groups), node))
         for f in finals:
             ht = em.relayout(em.call(operator.getitem, op, 1), "bhkv", f.groups)
             if f.coef != 1.0:
