@@ -24,6 +24,19 @@ def one_thread():
 
 
 @pytest.fixture
+def fresh_compiler():
+    """Each test compiles from scratch and counts only its own rewrites: Dynamo's caches and
+    the counters reset before the test and after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
 def inductor_triton(monkeypatch):
     """Inductor compiles with Triton kernels on whatever device runs the tests (under the
     interpreter on CPU), with fresh caches."""

@@ -27,12 +27,7 @@ LOGSIG_CLAMPED = dict(gate_fn="logsigmoid", gate_scale=0.5, gate_lo=-1.5)
 SOFTPLUS = dict(gate_fn="softplus", gate_lo=0.05, gate_hi=4.0)
 
 
-@pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
 def explicit_gate(x, gate_fn, gate_scale=1.0, gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):

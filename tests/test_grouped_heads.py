@@ -35,12 +35,7 @@ GATES = ["vector", "scalar", "constant", "none"]
 GROUPS = [1, 2, H]  # heads of q and k: one shared by all heads, pairs, none shared
 
 
-@pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
 def make(G: int, gate: str, seed: int = 0) -> dict:

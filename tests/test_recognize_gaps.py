@@ -11,58 +11,12 @@ must stay code:
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gla_inductor.backend import rewrite
+# the parallel form's test sizes, inputs and float64 check, shared
+from test_recognize_parallel import B, H, T, K, V, check_exact as check, inputs  # noqa: F401
 
-B, H, T, K, V = 2, 3, 5, 4, 3
-FP32_TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-
-
-def inputs(gate: str, h0: bool = False) -> list:
-    gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(B, H, T, K, generator=gen), torch.randn(B, H, T, K, generator=gen)
-    v = torch.randn(B, H, T, V, generator=gen)
-    shape = {"vector": (B, H, T, K), "scalar": (B, H, T)}[gate]
-    args = [q, k, v, F.logsigmoid(torch.randn(shape, generator=gen) + 1)]
-    return args + ([torch.randn(B, H, K, V, generator=gen)] if h0 else [])
-
-
-def rel_err(a, ref) -> float:
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def outputs(res) -> list:
-    return list(res) if isinstance(res, (tuple, list)) else [res]
-
-
-def check(fn, args) -> list:
-    """Compile with the rewrite only (the graph then runs as is), compare outputs and every
-    gradient with float64 eager; return the rewrites made."""
-    results = []
-
-    def backend(gm, example_inputs):
-        results.append(rewrite(gm, example_inputs))
-        return gm.forward
-
-    args = [a.clone().requires_grad_() for a in args]
-    got = outputs(torch.compile(fn, backend=backend, fullgraph=True)(*args))
-    args64 = [a.detach().double().requires_grad_() for a in args]
-    want = outputs(fn(*args64))
-    weights = [torch.randn(w.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) for w in want]
-    grads = torch.autograd.grad(sum((o.double() * w).sum() for o, w in zip(got, weights)), args)
-    grads64 = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)), args64)
-    for what, a, b in [("output", o, w) for o, w in zip(got, want)] + [("gradient", g, w) for g, w in zip(grads, grads64)]:
-        assert a.shape == b.shape and rel_err(a, b) <= FP32_TOL, what
-    return [m for r in results for m in r.matches]
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
 # ---- parallel form, heads flattened for bmm ----------------------------------------------------

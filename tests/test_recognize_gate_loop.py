@@ -24,12 +24,7 @@ B, T, H, K, V = 2, 7, 3, 4, 5
 FP32_TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
 def _read(q_t, S):

@@ -22,11 +22,7 @@ B, H, T, K, V = 2, 2, 5, 3, 4
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    counters.clear()
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
 def rewrite_then_eager(gm, example_inputs):

@@ -24,11 +24,7 @@ from spellings import NEAR_MISSES, SPELLINGS
 B, T, H, K, V = 2, 12, 2, 4, 3
 
 
-@pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
 def _read(q_t, S):
