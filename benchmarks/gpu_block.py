@@ -14,18 +14,23 @@ Variants, side by side in one process:
 Reports forward+backward ms (median of `triton.testing.do_bench`), peak memory, and the compile
 time: the wall time of the first compiled forward+backward minus a warm one (FLA's kernels are
 autotuned once before, so its run-time autotuning is not counted as compile time). A small
-unrelated model is compiled first, so that Inductor's one-time start-up (imports, compile workers)
-is charged to no variant.
+unrelated model is compiled first, and its compile workers waited for, so that Inductor's one-time
+start-up (imports, compile workers) is charged to no variant (--no-worker-wait: not waited for).
 """
 
 import argparse
+import cProfile
 import datetime
 import json
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+PROFILE_DIR = None  # --profile-compile: cProfile of each variant's first (compiling) step goes there
 
 
 def naive_gla(q, k, v, g):
@@ -114,7 +119,7 @@ def check():
     assert counters["gla_inductor"]["rewrites"] == 1 and counters["gla_inductor"]["fused_gates"] == 1 and err < 1e-5
 
 
-def run(shape, variants):
+def run(shape, variants, compile_only=False, wait_for_workers=True):
     from triton.testing import do_bench
 
     from gla_inductor.backend import _listeners
@@ -123,22 +128,32 @@ def run(shape, variants):
 
     import gla_inductor
 
-    warm_up_inductor()
+    warm_up_inductor(wait_for_workers)
     rows = []
     for variant in variants:
         with gla_inductor.config.patch(fuse_gates=variant != "ours-unfused"):
-            rows.append(_run_variant(variant, shape, do_bench))
+            rows.append(_run_variant(variant, shape, None if compile_only else do_bench))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def warm_up_inductor():
-    """Compile and run a tiny MLP forward and backward with default Inductor."""
+def warm_up_inductor(wait_for_workers=True):
+    """Compile and run a tiny MLP forward and backward with default Inductor, then wait until
+    Inductor's compile workers have started: until then it compiles every Triton kernel in the main
+    process, one after another (a fresh H100 machine took over 10 s to start them)."""
     torch._dynamo.reset()
     mlp = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64)).cuda()
     x = torch.randn(8, 64, device="cuda", requires_grad=True)
     torch.compile(mlp)(x).sum().backward()
     torch.cuda.synchronize()
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    deadline = time.perf_counter() + 300
+    while wait_for_workers and config.compile_threads > 1 and time.perf_counter() < deadline:
+        if AsyncCompile.use_process_pool():
+            break
+        time.sleep(0.05)
 
 
 def _run_variant(variant, shape, do_bench):
@@ -151,21 +166,36 @@ def _run_variant(variant, shape, do_bench):
         step(block, x, dy)
     fn = compiled(variant, block)
     torch.cuda.synchronize()
+    mark = do_bench is None  # under `python -X importtime`, the imports the compile triggers lie between
+    if mark:
+        print(f"@@ compile of {variant} starts", file=sys.stderr, flush=True)
+    profiler = cProfile.Profile() if PROFILE_DIR else None
     t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
     step(fn, x, dy)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(f"{PROFILE_DIR}/compile-{variant}.prof")
+    if mark:
+        print(f"@@ compile of {variant} ends", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     step(fn, x, dy)
     torch.cuda.synchronize()
     warm = time.perf_counter() - t0
+    row = dict(variant=variant, shape=list(shape), compile_s=first - warm,
+               fused_gates=counters["gla_inductor"]["fused_gates"])
+    if do_bench is None:  # where the compile time went, by Dynamo's and Inductor's own timers
+        print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
+        return row
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     ms = do_bench(lambda: step(fn, x, dy), warmup=10, rep=50, return_mode="median")
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     fwd_ms = do_bench(lambda: fn(x), warmup=10, rep=50, return_mode="median")
-    return dict(variant=variant, shape=list(shape), fwd_bwd_ms=ms, fwd_ms=fwd_ms, peak_extra_mib=peak,
-                compile_s=first - warm, fused_gates=counters["gla_inductor"]["fused_gates"])
+    return dict(row, fwd_bwd_ms=ms, fwd_ms=fwd_ms, peak_extra_mib=peak)
 
 
 def main():
@@ -173,7 +203,13 @@ def main():
     p.add_argument("--out")
     p.add_argument("--check", action="store_true")
     p.add_argument("--variants", default="ours,ours-unfused,fla")
+    p.add_argument("--compile-only", action="store_true", help="only the compile times (gpu_compile_time.sh)")
+    p.add_argument("--no-worker-wait", action="store_true",
+                   help="compile the variants while Inductor's compile workers may still be starting")
+    p.add_argument("--profile-compile", metavar="DIR", help="cProfile each variant's compiling step into DIR")
     args = p.parse_args()
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile_compile
     if args.check:
         return check()
     import triton
@@ -183,12 +219,14 @@ def main():
         import fla  # noqa: F401
     except ImportError:
         variants = [v for v in variants if v != "fla"]
-    rows = run((8, 2048, 16, 128, 128), variants)
+    rows = run((8, 2048, 16, 128, 128), variants, args.compile_only, not args.no_worker_wait)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat())
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if args.compile_only:
+        return
     print("| variant | fwd ms | fwd+bwd ms | peak extra MiB | compile s | fused gates |")
     print("|---|---|---|---|---|---|")
     for r in rows:

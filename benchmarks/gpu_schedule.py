@@ -60,8 +60,10 @@ def main():
             configs.append((f"fused BT=128 BV={bv} w={warps}", dataclasses.replace(base, block_t=128, scan=tile)))
     for bv in (32, 64):  # the local schedule (chunk-local terms, then the carry scan)
         for warps in (4, 8):
-            tile = TileConfig(block_v=bv, num_warps=warps, num_stages=2)
-            configs.append((f"local carry BV={bv} w={warps}", dataclasses.replace(base, local=True, carry=tile)))
+            for stages in (1, 2):  # one stage: half the shared memory, so two programs may share an SM
+                tile = TileConfig(block_v=bv, num_warps=warps, num_stages=stages)
+                name = f"local carry BV={bv} w={warps} s={stages}"
+                configs.append((name, dataclasses.replace(base, local=True, carry=tile)))
     if args.only:  # the default stays, as the baseline
         configs = [(n, c) for n, c in configs if n == "default" or any(o in n for o in args.only.split("|"))]
     rows = []

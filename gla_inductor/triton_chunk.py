@@ -127,18 +127,19 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
     return fallback
 
 
-def dqkg_tile(BK: int, BV: int, vector_gate: bool, warps: int, stages: int) -> TileConfig:
+def dqkg_tile(BK: int, BV: int, vector_gate: bool, warps: int, stages: int, sixteen_bit: bool) -> TileConfig:
     """gla_chunk_bwd_dqkg's tile. Vector gates from K = 128: key tiles of 32 with 4 warps, from
     sweeps on an H100 (benchmarks/gpu_dqkg_sweep.py): at (8, 2048, 16, 128, 128) 0.769 against
     0.845 ms for 64 keys and 8 warps (0.881 against 0.981 with the fused logsigmoid gate; 8 warps on
     [64, 64] tiles ran at 255 registers with spills, one program per SM); at (8, 2048, 4, 256, 512)
-    0.666 against 0.707. Value tiles of 128 gave 0.627 there (80 KB of shared memory compiled for
-    sm_90), but no GPU test has run them yet. Scalar and constant gates take all of K (their dg
-    sums over keys)."""
+    0.666 against 0.707. There, with 16-bit inputs, value tiles of 128 take 0.627 (80 KB of shared
+    memory for sm_90; fp32 operands would take twice that, so they keep 64). Scalar and constant
+    gates take all of K (their dg sums over keys)."""
     if not vector_gate:
         return TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages, block_k=BK)
     if BK >= 128:
-        return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=stages, block_k=32)
+        block_v = 128 if BV > 128 and sixteen_bit else min(BV, 64)
+        return TileConfig(block_v=block_v, num_warps=4, num_stages=stages, block_k=32)
     return TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages, block_k=min(BK, 64))
 
 
@@ -206,7 +207,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         states=scan,
         dual=scan,
         output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages),
-        dqkg=dqkg_tile(BK, BV, vector_gate, warps, stages),
+        dqkg=dqkg_tile(BK, BV, vector_gate, warps, stages, dtype != torch.float32),
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
         local=local,
         # 4 warps for 16-bit inputs: at (8, 2048, 4, 256, 512), vector gate, H100, the three carries
