@@ -357,9 +357,8 @@ def near_miss_issue(c: dict) -> Optional[str]:
 
 
 def loop_gap(c: dict, d: dict) -> Optional[str]:
-    """Why the recognizer does not cover this GLA loop spelling yet; None when it must."""
-    if d["K"] == 1 or d["V"] == 1:
-        return "K or V of size 1: the outer product k^T v reads as an elementwise product"
+    """Why the recognizer does not cover this GLA loop spelling yet; None when it must (every
+    loop spelling now, K or V of size 1 included)."""
     return None
 
 
@@ -618,9 +617,8 @@ def _fix_parallel_choices(c: dict) -> dict:
 
 
 def parallel_gap(c: dict, d: dict) -> Optional[str]:
-    """Why the recognizer does not cover this GLA spelling yet; None when it must."""
-    if d["K"] == 1 or d["V"] == 1:
-        return "K or V of size 1: the contraction over it reads as a broadcast"
+    """Why the recognizer does not cover this GLA spelling yet; None when it must (every
+    parallel spelling now, K or V of size 1 included)."""
     return None
 
 
@@ -886,9 +884,14 @@ def dims(draw, T=(2, 8), at_least: Optional[dict] = None) -> dict:
 # one gate column over V, K = 1 (a sum over heads of one key each is a vector-gated GLA whose
 # keys are the heads; q / (q z) and k / |k| are constant in q and k, so their exact gradients
 # are 0 and the fp32 ones rounding noise); RWKV-6 at T = 2 is GLA with a decay of 2 on 0.5 k v.
+# Now that GLA with K or V of size 1 is rewritten, two near misses are GLA there too: the loop's
+# update shared by all heads at V = 1 (sum_h k_h v_h is then one key vector u, S_h = d_h S_h + u,
+# GLA with k = u and v = 1), and a gate over V at K = 1 (each value column is then its own
+# scalar recurrence: GLA with K = V = 1 and the value axis a batch axis). The recognizer leaves
+# both alone, but a near miss must not be GLA.
 _NEAR_MISS_SIZES = {
-    "shared_heads": {"H": 2, "K": 2},
-    "gate_over_v": {"V": 2},
+    "shared_heads": {"H": 2, "K": 2, "V": 2},
+    "gate_over_v": {"V": 2, "K": 2},
     "normalized": {"K": 2},
     "delta": {"K": 2},
     "rwkv6": {"T": 3},

@@ -65,7 +65,7 @@ class Read:
     av: AV
     state: fx.Node
     state_factor: Factor
-    kvar: int
+    kvar: Optional[int]  # None: the read sums over no axis (K of size 1)
     q: list  # factors of the read other than the state
     coef: float
 
@@ -90,27 +90,49 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
     if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2 or len(av.out) < 2:
         return None
     out_set = out_vars(av.out)
-    decay = outer = None
-    prev, prev_view = None, False
-    for coef, fs in av.terms:
-        if not mono_vars((coef, fs)) <= out_set:
+    terms = av.terms
+    if not all(mono_vars(m) <= out_set for m in terms):
+        return None
+    full = [[f for f in fs if _is_full_atom(f, av.out)] for _, fs in terms]
+    decay, prev, prev_view = None, None, False
+    if len(terms) == 1:
+        if full[0]:
             return None
-        pf = [f for f in fs if _is_full_atom(f, av.out)]
-        if len(pf) == 1 and decay is None:
-            prev, prev_view = pf[0].atom.node, _grouping(pf[0].idx) != _grouping(av.out)
-            decay = (coef, tuple(f for f in fs if f is not pf[0]))
-        elif not pf and outer is None:
-            outer = (coef, fs)
-        else:
+        outer = terms[0]
+    else:
+        d = _decay_term(terms, full)
+        if d is None:
             return None
-    if outer is None or not _is_outer_product(outer, out_set):
+        pf, (coef, fs) = full[d][0], terms[d]
+        prev, prev_view = pf.atom.node, _grouping(pf.idx) != _grouping(av.out)
+        decay = (coef, tuple(f for f in fs if f is not pf))
+        outer = terms[1 - d]
+    if not _is_outer_product(outer, av.out):
         return None
     return Step(node, av, prev, decay, outer, prev_view)
 
 
-def _is_outer_product(m: Mono, out_set: set) -> bool:
+def _decay_term(terms: tuple, full: list) -> Optional[int]:
+    """Which of two terms decays the previous state: the one with one factor indexed like the
+    whole state. Both may have one where K or V has size 1: v_t [B, H, V] is indexed like the
+    state [B, H, 1, V] where it is read at no time index (a decode step, or a v_t each step
+    computes); then the one whose factor may be a state (an update, an input), and of those
+    the one with fewer other tensor factors (S * exp(g) rather than k * v). (A full factor in
+    the other term is no outer product, unless the state has a size-1 axis.)"""
+    cands = [i for i in (0, 1) if len(full[i]) == 1]
+    if len(cands) == 2:
+        cands.sort(key=lambda i: (not _state_like(full[i][0].atom.node), sum(f.kind == "atom" for f in terms[i][1])))
+    return cands[0] if cands else None
+
+
+def _is_outer_product(m: Mono, out: tuple) -> bool:
     """Some two axes of the update are never indexed by one factor together (k^T v),
-    unlike an elementwise product k * x."""
+    unlike an elementwise product k * x. With K or V of size 1 the outer product is an
+    elementwise product k * v, which a state with a size-1 axis may hold: which axes are
+    which is then decided by the roles (see _roles), as for any state."""
+    if None in out:
+        return True
+    out_set = out_vars(out)
     fvars = [factor_vars(f) for f in m[1] if f.kind == "atom"]
     axes = sorted(out_set)
     return any(
@@ -179,7 +201,7 @@ def diagnose_update(an: Analyzer, node: fx.Node) -> Optional[str]:
     if len(av.terms) > 2:
         return "the update has more terms than a decay and an outer product"
     others = [m for m in av.terms if m not in selfish]
-    if others and not _is_outer_product(others[0], out_set):
+    if others and not _is_outer_product(others[0], av.out):
         return "the update adds no outer product k^T v (elementwise recurrence)"
     return None
 
@@ -198,10 +220,12 @@ def parse_read(an: Analyzer, node: fx.Node, states: dict) -> Optional[Read]:
         return None
     sf = sf[0]
     summed = mono_vars(av.terms[0]) - out_vars(av.out)
-    if len(summed) != 1:
+    if len(summed) > 1:
         return None
-    kvar = next(iter(summed))
-    if sf.idx.count(kvar) != 1:
+    # the sum over K; nothing is summed where K has size 1 (q_t * S_t: K is a size-1 axis
+    # of the state, which one _roles decides)
+    kvar = next(iter(summed), None)
+    if kvar is not None and sf.idx.count(kvar) != 1 or kvar is None and None not in sf.idx:
         return None
     return Read(node, av, sf.atom.node, sf, kvar, [f for f in fs if f is not sf], coef)
 
@@ -404,24 +428,38 @@ def _chains(steps: dict) -> list[list[Step]]:
 def _read_of_step(an: Analyzer, st: Step) -> Assembly:
     """The query read of a single step's new state, among its users (through views)."""
     states = {st.node: 0}
-    found, frontier, seen = [], [st.node], {st.node}
+    found, frontier, parent = [], [st.node], {st.node: None}
     for _ in range(MAX_READ_DEPTH):
         nxt = []
         for n in frontier:
             for u in an.users(n):  # also a read of the cache the new state was copied into
-                if u in seen:
+                if u in parent:
                     continue
-                seen.add(u)
-                if parse_read(an, u, states) is not None:
+                parent[u] = n
+                rd = parse_read(an, u, states)
+                if rd is not None:
                     found.append(u)
-                elif op_name(u) in _VIEW_OPS or op_name(u) == "mul":
-                    nxt.append(u)
+                if rd is not None and rd.kvar is None or rd is None and (op_name(u) in _VIEW_OPS or op_name(u) == "mul"):
+                    nxt.append(u)  # a product q * S that sums nothing may be summed over K next
         frontier = nxt
+    found = _outermost(found, parent)
     if not found:
         raise Reject("a one-step state update (decode) whose new state is not read by a query")
     if len(found) > 1:
         raise Reject("the new state is read by more than one query")
     return Assembly("read", found[0], found, -1)
+
+
+def _outermost(found: list, parent: dict) -> list:
+    """The reads that no other read is computed from: q * S before its sum over K reads
+    like a read of K of size 1, and the sum is the read."""
+    inner = set()
+    for n in found:
+        p = parent[n]
+        while p is not None and p not in inner:
+            inner.add(p)
+            p = parent[p]
+    return [n for n in found if n not in inner]
 
 
 # ---- roles and letters -------------------------------------------------------------------
@@ -500,7 +538,8 @@ def _read_letters(an: Analyzer, rd: Read, st: Step, letters: Letters) -> dict:
         raise Reject("the read splits the state's axes differently from its update")
     for r, s in zip(cr, cs):
         res[r] = letters.of_var[s]
-    res[rd.kvar] = "k"
+    if rd.kvar is not None:
+        res[rd.kvar] = "k"
     return res
 
 
@@ -717,12 +756,16 @@ def _proven_reads(an: Analyzer, chain, states, proof) -> dict:
 
 
 def _roles(st: Step, rd: Read) -> Roles:
-    """Roles of the state's axes, from the last step parsed (every step has its structure)."""
+    """Roles of the state's axes, from the last step parsed (every step has its structure).
+    K is the axis the read sums over, V an axis neither the keys nor the query index. A role
+    of size 1 has no variable (nothing is summed, nothing indexes it): it is a size-1 axis of
+    the state, and which one does not matter (each holds one element); the last such axis is
+    taken for V and the one before for K, as in the usual [..., K, V] layout."""
     if _grouping(rd.state_factor.idx) != _grouping(st.av.out):
         raise Reject("the last state is read in another shape than its update's")
-    kpos = rd.state_factor.idx.index(rd.kvar)
     out = st.av.out
-    kvars = set(comps(out[kpos]))
+    kpos = rd.state_factor.idx.index(rd.kvar) if rd.kvar is not None else None
+    kvars = set(comps(out[kpos])) if kpos is not None else set()
     kgroup_vars = set()
     for f in st.outer[1]:
         if kvars & factor_vars(f):
@@ -736,11 +779,19 @@ def _roles(st: Step, rd: Read) -> Roles:
         return p != kpos and out[p] is not None and not set(comps(out[p])) & avoid
 
     cands = [p for p in range(len(out)) if free(p, kgroup_vars | q_vars_state)]
-    if not cands:
+    ones = [p for p in range(len(out)) if out[p] is None and p != kpos]
+    if not cands and len(ones) >= (kpos is None) + 1:  # V of size 1 (and K, where it has no axis yet)
+        cands = ones
+    if not cands and kpos is not None:
         cands = [p for p in range(len(out)) if free(p, kgroup_vars)]
     if not cands:
         raise Reject("cannot tell the value axis of the state")
     vpos = cands[-1]
+    if kpos is None:  # K of size 1
+        ones = [p for p in ones if p != vpos]
+        if not ones:
+            raise Reject("cannot tell the key axis of the state: the read sums over no axis")
+        kpos = ones[-1]
     batch = [p for p in range(len(out)) if p not in (kpos, vpos)]
     if len(batch) > 2:
         raise Reject(f"the state has {len(batch)} batch axes; at most 2 (batch, head) are supported")
@@ -752,11 +803,22 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
     letters = _state_letters(an, st.av.out, roles)
     vvars, kvars = set(comps(st.av.out[roles.vpos])), set(comps(st.av.out[roles.kpos]))
     ctx = {"taus": set(), "time_axes": set(), "is_time": time_axes, "an": an, "shared": shared}
-    kf = [f for f in st.outer[1] if kvars & factor_vars(f)]
-    vf = [f for f in st.outer[1] if not kvars & factor_vars(f)]
+    if kvars:
+        kf = [f for f in st.outer[1] if kvars & factor_vars(f)]
+        vf = [f for f in st.outer[1] if not kvars & factor_vars(f)]
+    elif vvars:  # K of size 1: the keys are the factors that do not run along V (none: k = 1)
+        vf = [f for f in st.outer[1] if vvars & factor_vars(f)]
+        kf = [f for f in st.outer[1] if not vvars & factor_vars(f)]
+    else:  # K and V of size 1, k v a product of numbers: the first tensor is k, so that the op
+        # multiplies k and v as the user's code did (a product of two bf16 tensors the
+        # replacement computed would be rounded to bf16)
+        kf = [f for f in st.outer[1] if f.kind == "atom"][:1]
+        vf = [f for f in st.outer[1] if not any(f is g for g in kf)]
+    if kvars and not kf:
+        raise Reject("the update has no key factor along K")
     if any(vvars & factor_vars(f) for f in kf):
         raise Reject("a factor of the outer product spans both K and V")
-    if not any(vvars & factor_vars(f) for f in vf):
+    if vvars and not any(vvars & factor_vars(f) for f in vf):
         raise Reject("the update has no value factor along V")
     res = {
         "k": _group(kf, 1.0, letters.of_var, ctx),
@@ -771,6 +833,8 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
             raise Reject("an output reads a state other than the one its step produced")
         rletter = _read_letters(an, rd, st, letters)
         res["q"] = _group(rd.q, 1.0, rletter, ctx, allow_empty=False)
+        if any(letters.role_of.get(c, c) == "v" for lf in res["q"][1].factors for c in lf.letters):
+            raise Reject("the query is indexed by the value axis")
         res["scale"] = rd.coef
         res["read_groups"] = letters.groups(rd.av.out, rletter)
     taus = ctx["taus"]
@@ -1002,6 +1066,9 @@ def _role_sizes(last, letters: Letters, single: bool) -> dict:
     factors = [lf for key in ("q", "k", "v") for lf in last[key][1].factors]
     sizes = sizes_from(factors)
     sizes.update(letters.sizes)
+    for c in "kv":  # a role of size 1, which no factor need have
+        if c not in "".join(last["state_groups"]):
+            sizes[c] = 1
     if single:
         sizes["t"] = 1
     return sizes
@@ -1025,8 +1092,8 @@ class Inputs:
 
 def _emit_inputs(em: Emitter, last, decay, gate_kind, gate_letters) -> Inputs:
     q = em.lift(last["q"][1], "bthk")
-    k = em.lift(last["k"][1], "bthk")
-    v = em.lift(last["v"][1], "bthv")
+    k = _lift_or_ones(em, last["k"][1], "bthk", q)
+    v = _lift_or_ones(em, last["v"][1], "bthv", q)
     g, g_gamma = None, None
     if gate_kind != "none":
         gate = _emit_gate(em, decay[1], gate_letters, q)
@@ -1035,6 +1102,17 @@ def _emit_inputs(em: Emitter, last, decay, gate_kind, gate_letters) -> Inputs:
         else:
             g = gate
     return Inputs(q, k, v, g, g_gamma)
+
+
+def _lift_or_ones(em: Emitter, group: Group, out: str, like: fx.Node) -> fx.Node:
+    """The group as a tensor; a group with no tensor is the keys (values) of an update
+    k^T v whose K (V) has size 1 and that holds only the other side: its numbers times ones."""
+    if any(isinstance(example_value(lf.node), torch.Tensor) for lf in group.factors):
+        return em.lift(group, out)
+    node = em.call("new_ones", like, [em.size(c) for c in out], op="call_method")
+    for lf in group.factors:
+        node = em.call(torch.mul, node, lf.node)
+    return em.call(torch.mul, node, group.coef) if group.coef != 1.0 else node
 
 
 def _emit_op(em: Emitter, x: Inputs, head, state_groups, scale, reverse):

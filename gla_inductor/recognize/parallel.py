@@ -52,8 +52,8 @@ class Roles:
     v: Factor
     i: int
     j: int
-    kk: int
-    vv: int
+    kk: Optional[int]  # None: K has size 1
+    vv: Optional[int]  # None: V has size 1
     batch: list  # batch vars in output order
 
 
@@ -137,13 +137,16 @@ def _candidate(av: Optional[AV]) -> Optional[Candidate]:
 
 
 def _is_parallel(m, ov: set) -> bool:
+    """Three inputs under a decay, contracted over time and K (over time alone where K has
+    size 1)."""
     atoms = [f for f in m[1] if f.kind == "atom"]
-    return len(atoms) == 3 and len(mono_vars(m) - ov) >= 2 and len(m[1]) > 3
+    return len(atoms) == 3 and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
 
 
 def _is_state_read(m, ov: set) -> bool:
+    """q times the initial state, contracted over K (over nothing where K has size 1)."""
     atoms = [f for f in m[1] if f.kind == "atom"]
-    return len(atoms) == 2 and len(mono_vars(m) - ov) == 1
+    return len(atoms) == 2 and len(mono_vars(m) - ov) <= 1
 
 
 def _same_inputs(a: Candidate, b: Candidate) -> bool:
@@ -154,6 +157,8 @@ def _same_inputs(a: Candidate, b: Candidate) -> bool:
 
 
 def _roles(av: AV, term) -> Roles:
+    """q, k, v and the axes: i (query time), j (key time, summed), kk (summed), vv (kept).
+    K or V of size 1 has no variable (kk or vv is None): a size-1 contraction is a product."""
     coef, fs = term
     atoms = [f for f in fs if f.kind == "atom"]
     # time and value are single axes; batch entries may be roles merged (B * H for bmm)
@@ -167,33 +172,68 @@ def _roles(av: AV, term) -> Roles:
 
     vv_c = [v for v in out if len(holders(v)) == 1 and v not in other_vars and any(s in factor_vars(holders(v)[0]) for s in summed)]
     vv_c = [v for v in vv_c if not any(v in factor_vars(f) for f in atoms if f is not holders(v)[0])]
-    if len(vv_c) < 1:
-        raise Reject("no value axis: an output axis that only v carries")
-    vv = vv_c[-1]
-    v = holders(vv)[0]
-    j_c = [s for s in summed if s in factor_vars(v)]
-    if len(j_c) != 1:
-        raise Reject("v must be contracted over exactly one (time) axis")
-    j = j_c[0]
-    kk_c = [s for s in summed if s != j]
-    if len(kk_c) != 1:
-        raise Reject(f"expected one contracted key axis, found {len(kk_c)}")
-    kk = kk_c[0]
-    k_c = [f for f in atoms if f is not v and j in factor_vars(f) and kk in factor_vars(f)]
-    q_c = [f for f in atoms if f is not v and j not in factor_vars(f) and kk in factor_vars(f)]
-    if len(k_c) != 1 or len(q_c) != 1:
-        raise Reject("cannot tell q and k apart")
-    q, k = q_c[0], k_c[0]
+    if vv_c:
+        vv = vv_c[-1]
+        q, k, v, j, kk = _qkv_by_value(atoms, holders(vv)[0], summed)
+    else:
+        vv = None
+        q, k, v, j, kk = _qkv_by_query(atoms, out, summed)
     i_c = [x for x in out if x in factor_vars(q) and x not in factor_vars(k) and x not in factor_vars(v)]
     if len(i_c) != 1:
         raise Reject("q must carry exactly one query-time axis")
     i = i_c[0]
-    if kk in factor_vars(v) or i in factor_vars(k) or i in factor_vars(v):
+    if kk is not None and kk in factor_vars(v) or i in factor_vars(k) or i in factor_vars(v):
         raise Reject("inputs are indexed by the wrong axes")
     batch = [x for e in av.out if e not in (i, vv) for x in comps(e)]
     if len(batch) > 2:
         raise Reject(f"{len(batch)} batch axes; at most 2 (batch, head) are supported")
     return Roles(q, k, v, i, j, kk, vv, batch)
+
+
+def _qkv_by_value(atoms: list, v: Factor, summed: set) -> tuple:
+    """(q, k, v, j, kk) given v, the only input that has the value axis. K of size 1: k is the
+    other input contracted with v over time, q the one that is not."""
+    j_c = [s for s in summed if s in factor_vars(v)]
+    if len(j_c) != 1:
+        raise Reject("v must be contracted over exactly one (time) axis")
+    j = j_c[0]
+    kk_c = [s for s in summed if s != j]
+    if len(kk_c) > 1:
+        raise Reject(f"expected one contracted key axis, found {len(kk_c)}")
+    kk = kk_c[0] if kk_c else None
+    rest = [f for f in atoms if f is not v]
+    k_c = [f for f in rest if j in factor_vars(f) and (kk is None or kk in factor_vars(f))]
+    q_c = [f for f in rest if j not in factor_vars(f) and (kk is None or kk in factor_vars(f))]
+    if len(k_c) != 1 or len(q_c) != 1:
+        raise Reject("cannot tell q and k apart")
+    return q_c[0], k_c[0], v, j, kk
+
+
+def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
+    """(q, k, v, j, kk) where no axis is the value's alone: V of size 1. q is the input with the
+    query-time axis, an output axis no other input has; k and v share the summed time axis,
+    and k has the key axis. With K of size 1 too, k and v are alike (o = sum_j q_i k_j v_j D_ij
+    is symmetric in them): the first is taken for k."""
+    def private(f):
+        return {x for x in out if x in factor_vars(f)} - set().union(*(factor_vars(g) for g in atoms if g is not f))
+
+    q_c = [f for f in atoms if private(f)]
+    if len(q_c) != 1:
+        raise Reject("no value axis: an output axis that only v carries")
+    q = q_c[0]
+    rest = [f for f in atoms if f is not q]
+    j_c = [s for s in summed if all(s in factor_vars(f) for f in rest)]
+    if len(j_c) != 1:
+        raise Reject("k and v must be contracted over exactly one (time) axis")
+    j = j_c[0]
+    kk_c = [s for s in summed if s != j]
+    if len(kk_c) > 1:
+        raise Reject(f"expected one contracted key axis, found {len(kk_c)}")
+    kk = kk_c[0] if kk_c else None
+    k_c = [f for f in rest if kk is None or kk in factor_vars(f)]
+    if kk is not None and (len(k_c) != 1 or kk not in factor_vars(q)):
+        raise Reject("cannot tell q and k apart")
+    return q, k_c[0], next(f for f in rest if f is not k_c[0]), j, kk
 
 
 # ---- the whole analysis ---------------------------------------------------------------------
@@ -203,7 +243,7 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
     coef, fs = cand.par
     # one batch axis is read as the heads (B = 1): a constant gate per head then fits it
     letter = {x: "bh"[n + 2 - len(r.batch)] for n, x in enumerate(r.batch)}
-    letter.update({r.kk: "k", r.vv: "v"})
+    letter.update({x: c for x, c in ((r.kk, "k"), (r.vv, "v")) if x is not None})  # (none for size 1)
     masks, exps, scalars = [], [], []
     for f in fs:
         if f.kind == "atom":
@@ -601,18 +641,21 @@ def _initial_state(an: Analyzer, cand: Candidate, r: Roles, letter: dict, gate: 
         raise Reject("the initial-state term is scaled differently from the attention")
     if sorted(f.node.name for f in fs if f.kind == "scalar") != sorted(f.node.name for f in scalars):
         raise Reject("the initial-state term is scaled differently from the attention")
-    kx = next(iter(mono_vars(cand.h0) - out_vars(cand.av.out)))
+    kx = next(iter(mono_vars(cand.h0) - out_vars(cand.av.out)), None)  # its K (None: of size 1)
+    if (kx is None) != (r.kk is None):
+        raise Reject("the initial-state term is contracted differently from the attention")
     atoms = [f for f in fs if f.kind == "atom"]
-    q_idx = tuple(_subst(e, r.kk, kx) for e in r.q.idx)
+    q_idx = tuple(_subst(e, r.kk, kx) for e in r.q.idx) if kx is not None else r.q.idx
     qs = [f for f in atoms if f.atom == r.q.atom and f.idx == q_idx]
     if len(qs) != 1:
         raise Reject("the initial-state term does not read the attention's q")
     h0 = next(f for f in atoms if f is not qs[0])
-    hl = {**letter, kx: "k"}
+    hl = {**letter, kx: "k"} if kx is not None else letter
     exps = [f for f in fs if f.kind == "exp"]
     if any(f.kind not in ("atom", "exp", "scalar") for f in fs):
         raise Reject("the initial-state term has a factor other than q, the state and a decay")
-    if not {kx, r.vv} <= set(_comps_all(h0.idx)) <= set(r.batch) | {kx, r.vv}:
+    roles = {x for x in (kx, r.vv) if x is not None}
+    if not roles <= set(_comps_all(h0.idx)) <= set(r.batch) | roles:
         raise Reject("the initial state is indexed by the wrong axes")
     _check_decay(an, exps, {r.i: "i"}, hl, gate, _start_window(reverse), reverse, T, [r.i],
                  lambda n: (n.flip(0) + 1) if reverse else n + 1)
@@ -727,8 +770,8 @@ def _final_of(an: Analyzer, n: fx.Node, r: Roles, ref_letter: dict, gate: Gate, 
         if any(c not in state_letter for c in cs):
             raise Reject("the final state keeps an axis that is not a role")
         groups.append("".join(state_letter[c] for c in cs) or "1")
-    if not {"k", "v"} <= set("".join(groups)):
-        raise Reject("the final state does not keep K and V")
+    if not {c for c, x in (("k", r.kk), ("v", r.vv)) if x is not None} <= set("".join(groups)):
+        raise Reject("the final state does not keep K and V")  # (an axis of size 1 it may drop)
     return Final(n, groups, coef)
 
 
@@ -789,6 +832,7 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
     if any(len(ls) > 1 and not set(ls) <= set("bh") for ls in out_groups):
         raise Reject("the output merges role axes other than batch and heads")
     sizes = sizes_from([q, k, v])
+    sizes.update({c: 1 for c, x in (("k", r.kk), ("v", r.vv)) if x is None})  # no input has their axes
     if not all(c in sizes for c in "tkv"):
         raise Reject("the sizes of the inputs could not be read")
     shapes = {c.upper(): _shape_of(sizes[c]) for c in "bthkv"}
