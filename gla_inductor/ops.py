@@ -22,7 +22,9 @@ For Kg == 1 the decays of A are one [BT, BT] matrix. A vector gate would need th
 one for j, so that the pairs of a level are a batched matmul (``_intra``). The factors come from
 a block scan that multiplies exp(g) over blocks of 1, 2, 4, ... steps (``_scan_step``); it
 carries q and k times them in place, and ends with q * exp(gc) and k * exp(gr), which carry
-the states between chunks. For Kg == 1 the same scan and split build the [BT, BT] decays.
+the states between chunks. For Kg == 1 the same scan and split build the [BT, BT] decays. The
+forward skips the split on the chunks whose decays stay well inside fp32's range: there one
+anchor mid-chunk factors every pair's decay at once (NOTE:[GLA anchored fast path]).
 
 NOTE:[GLA chunk stability] Every decay is exp of a sum of gates over a span inside one chunk,
 computed as a product of exp(g[t]) over the span's steps by the block scan, whose every factor is
@@ -37,14 +39,16 @@ state does; the exceptions need a span of one chunk to exceed fp32's exp range (
 above 1.38 over 64 steps) while the loop stays finite, i.e. exp(gc[i]) with a state h entering
 the chunk below exp(-88), or a product one of whose sub-spans decays that much while another
 grows as much (tests/test_bad_input.py checks g up to 1 per step, past the loop's own overflow).
-Pairs above the diagonal are never formed (vector gates), or their decay is 0 and the product
+Pairs above the diagonal are never formed (the split), or their decay is 0 and the product
 with it is cleared again by ``tril_``, which writes zeros, so they can produce neither inf nor
 NaN. No decay is ever a difference of two long prefix sums, nor a quotient of two long prefix
 products: the rounding error of the first (|sum| * eps) would dominate when gates are strongly
 negative, the second underflows to 0 / 0, and a log gate of -inf, a reset, would give -inf -
 (-inf) = NaN; a product of the steps' decays is no less accurate than exp of the summed span,
 and a reset makes it 0. Likewise dg[t] is summed from the terms that go through exp(g[t]), never
-as a difference of larger sums.
+as a difference of larger sums. The one exception, the forward's anchored fast path, forms
+exp(x[i]) exp(-x[j]) from an anchor only on chunks whose gates are finite and whose every such
+factor lies within exp(+-60) (NOTE:[GLA anchored fast path]).
 
 NOTE:[GLA non-finite inputs] A NaN or Inf in k_t, v_t or g_t reaches o from step t on, one in q_t
 only o_t, as in the time loop (tests/test_bad_input.py): NaN exactly where the loop has NaN; for
@@ -57,6 +61,7 @@ finite, which every non-finite k, v, gate or initial state makes it (a NaN or In
 update survives every later decay and sum). Gradients of non-finite inputs are not specified.
 """
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -168,13 +173,15 @@ class _Chunked(NamedTuple):
     g: Optional[Tensor]  # Kg == 1: the log gate of every step, [B, H, NT, BT, 1] (B = 1 if constant)
     e: Optional[Tensor]  # vector gate: exp(g), the decay of every step, [B, H, NT, BT, K], maybe strided
     h0: Tensor  # [B, H, K, V]
+    log_g: Optional[Tensor] = None  # vector gate with log_vector: g itself instead of e, maybe strided
 
 
-def _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=()) -> _Chunked:
+def _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=(), log_vector=False) -> _Chunked:
     """The inputs in chunks.
 
-    With a vector gate, the inputs named in strided ("q", "k") may be strided views of the input
-    (see ``_to_chunks``): only elementwise ops read them there.
+    With a vector gate, the inputs named in strided ("q", "k", "g") may be strided views of the
+    input (see ``_to_chunks``): only elementwise ops read them there. With log_vector, a vector
+    gate comes as its log gate ``log_g`` (for ``_intra_vector``) rather than as ``e``.
     """
     dtype = _compute_dtype(q, k, v, g, g_gamma, initial_state)
     B, T, H, K = q.shape
@@ -195,8 +202,9 @@ def _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=()) -> _Chunke
         chunks(k, "k"),
         chunks(v),
         None if log_gate is None else chunks(log_gate),
-        chunks(g, exp=True) if vector else None,
+        chunks(g, exp=True) if vector and not log_vector else None,
         h0,
+        chunks(g, "g") if vector and log_vector else None,
     )
 
 
@@ -369,6 +377,119 @@ def _intra(q: Tensor, k: Tensor, g: Optional[Tensor], e: Optional[Tensor]) -> _I
     return _Intra(_bmm(q, k.mT).mul_(D).tril_(), q * decays.qd, k * decays.kd, decays.total)
 
 
+# NOTE:[GLA anchored fast path] With a vector gate the forward takes a shortcut on every chunk whose
+# decays stay in range. With a the anchor (``_ANCHOR``, mid-chunk) and x[i] the log decay from
+# the anchor to step i, g[a+1] + ... + g[i] after it and -(g[i+1] + ... + g[a]) before it, the
+# decay of every pair j <= i is exp(x[i]) exp(-x[j]), so A is one matmul of q * exp(x) by
+# (k * exp(-x))^T, in place of the split's six levels of small matmuls and in-place scans (~40%
+# of the forward's time at B=2, H=4, T=512, K=V=64 on CPU); qg and kg take one more factor
+# each: exp(gc[i]) = exp(ga) exp(x[i]) with ga = g[0] + ... + g[a], and exp(gr[j]) = exp(-x[j])
+# exp(x[BT-1]).
+#
+# Rounding: x itself would not do in fp32. It reaches ~+-40 for common gates, and rounding it
+# to fp32 puts an error of an ulp of |x| (4e-6 below 64) into the decay of pairs however close,
+# where the split's factors span no more than the pair itself (seen: 20x the split's error of o,
+# test_decays_near_one_far_from_the_anchor). So exp(x) is built in two parts
+# (``_anchor_factors``): x[i] = X[b] + y[i] for step i of block b of _BLOCK steps, y[i] the gates
+# from the block's start through i (fp32 partial sums) and X[b] the log decay from the anchor to
+# the block's start, summed in fp64 from the blocks' totals (the y at their ends), and exp(x) =
+# exp(y) exp(X), each rounded once. A pair's decay then carries only the roundings of the partial
+# sums along its own span, of at most _BLOCK steps' gates each, an error that grows with the
+# span as the split's does (test_anchor_factors_round_like_spans). Only a gate far larger than
+# its neighbours costs up to an ulp of itself on the pairs after it in its block.
+#
+# Range: the factors exp(+-x) grow to exp(|x|) where the split's never exceed the decays
+# themselves, and the pairs above the diagonal, which the split never forms, may overflow (the
+# ``tril_`` writes zeros over them). So a chunk takes the shortcut only if every factor exp(x)
+# and exp(ga) lies within exp(+-_ANCHOR_RANGE) ~ 1e+-26, where it stays finite times |q|, |k|
+# below ~1e12, and every exp(y) is a normal number, keeping its precision in the product (a
+# non-finite gate fails too). The other chunks are redone by the split, which holds NOTE:[GLA
+# chunk stability] for any gates. logsigmoid of a normal, ~-0.8 per step, reaches |x| ~ 40 at
+# most; log gates beyond ~-1.9 per step leave the shortcut. A NaN or Inf in q, k or v reaches the
+# same outputs as through the split (NOTE:[GLA non-finite inputs]).
+
+_ANCHOR = BT // 2 - 1  # x sums at most BT / 2 steps on either side of it; it ends a block
+_ANCHOR_RANGE = 60.0  # bound on |x| and |ga|: exp(+-60) ~ 1e+-26, far inside fp32's range
+_BLOCK = 4  # steps per block of y: |y| stays within 4 steps' gates
+
+
+def _anchor_factors(log_g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """exp(x) [..., BT, K] and exp(ga) [..., 1, K] of every chunk of log gates, and [...] whether
+    the chunk is in the anchor's range (NOTE:[GLA anchored fast path]). log_g is not written."""
+    n = BT // _BLOCK
+    y = log_g.unflatten(-2, (n, _BLOCK)).clone(memory_format=torch.contiguous_format)
+    for s in range(1, _BLOCK):  # a few adds in place: cumsum over so short a dim takes ~2x as long
+        y[..., s, :].add_(y[..., s - 1, :])
+    # X of every block and ga, from the blocks' totals (y at their ends) in fp64
+    e_X = torch.matmul(_block_sums(y.device), y[..., -1, :].double()).exp_().to(y.dtype)
+    e_y = y.exp_()
+    normal = e_y.amin((-3, -2, -1)) >= torch.finfo(e_y.dtype).tiny
+    e = e_y.mul_(e_X[..., :n, None, :]).flatten(-3, -2)
+    from_start = e_X[..., n:, :]
+    return e, from_start, normal & _in_range(e) & _in_range(from_start)
+
+
+@functools.lru_cache
+def _block_sums(device: torch.device) -> Tensor:
+    """[n + 1, n] fp64 that maps the n block totals to X and ga: row b < n to X[b], x at the step
+    before block b, the sum of the totals from the anchor up to block b (b after the anchor) or
+    minus those from block b up to the anchor (b before it); row n to ga, the totals up to the
+    anchor."""
+    n, after = BT // _BLOCK, (_ANCHOR + 1) // _BLOCK  # the block that starts right after the anchor
+    b, c = torch.arange(n + 1, device=device)[:, None], torch.arange(n, device=device)
+    sums = ((after <= c) & (c < b)).double() - ((b <= c) & (c < after)).double()
+    sums[n] = (c < after).double()
+    return sums
+
+
+def _in_range(e: Tensor) -> Tensor:
+    """[...] bool: whether all of e [..., n, K] lies within exp(+-_ANCHOR_RANGE) (NaN does not)."""
+    bound = math.exp(_ANCHOR_RANGE)
+    return (e.amax((-2, -1)) <= bound) & (e.amin((-2, -1)) >= 1 / bound)
+
+
+def _empty_transposed(x: Tensor) -> Tensor:
+    """An empty tensor shaped like x whose last two dims are stored transposed (its .mT is contiguous)."""
+    return x.new_empty(*x.shape[:-2], x.shape[-1], x.shape[-2]).mT
+
+
+def _anchored_intra(q: Tensor, k: Tensor, e: Tensor, from_start: Tensor) -> _Intra:
+    """``_intra`` through the anchor, given exp(x) and exp(ga) (``_anchor_factors``); e is taken over."""
+    to_end = e[..., -1:, :].clone()  # exp(x[BT - 1])
+    # k exp(-x) stored transposed: the matmuls then read both their operands contiguous (measured:
+    # cheaper than bmm on a transposed right operand, though the division writes it strided)
+    ka = torch.div(k, e, out=_empty_transposed(e))
+    qa = e.mul_(q)  # q exp(x), contiguous for the matmul, in place of exp(x): one buffer less
+    A = _bmm(qa, ka.mT).tril_()
+    return _Intra(A, qa.mul_(from_start), ka.mul_(to_end), from_start * to_end)
+
+
+def _intra_vector(q: Tensor, k: Tensor, log_g: Tensor) -> _Intra:
+    """``_intra`` for a vector gate given its log gates: through the anchor where in range, the
+    split elsewhere. q, k and log_g may be strided views of the inputs; none is written."""
+    if log_g.numel() == 0:  # nothing to gain, and no chunk extrema to take
+        return _split_intra(q, k, log_g)
+    e, from_start, ok = _anchor_factors(log_g)
+    if not ok.any():
+        return _split_intra(q, k, log_g)
+    intra = _anchored_intra(q, k, e, from_start)
+    if not ok.all():
+        _redo_by_split(intra, ok.logical_not().nonzero(as_tuple=True), q, k, log_g)
+    return intra
+
+
+def _split_intra(q: Tensor, k: Tensor, log_g: Tensor) -> _Intra:
+    """``_intra`` by the split, on a copy of k (it decays k in place; k may be a view of the input)."""
+    return _intra(q, k.clone(memory_format=torch.contiguous_format), None, log_g.exp())
+
+
+def _redo_by_split(intra: _Intra, idx: tuple, q: Tensor, k: Tensor, log_g: Tensor) -> None:
+    """Overwrites every output of the chunks at idx (out of the anchor's range) by the split's."""
+    part = _intra(q[idx], k[idx], None, log_g[idx].exp())  # indexing copies: k[idx] is ours to decay
+    for out, redone in zip(intra, part):
+        out[idx] = redone
+
+
 class _IntraGrads(NamedTuple):
     """What the backward needs of the in-chunk part."""
 
@@ -503,8 +624,8 @@ def _add_intra_nonfinite(o: Tensor, A: Tensor, v: Tensor) -> None:
 # would refuse inputs that require grad when called outside the op
 @torch.no_grad()
 def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
-    x = _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=("q",))
-    intra = _intra(x.q, x.k, x.g, x.e)
+    x = _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=("q", "k", "g"), log_vector=True)
+    intra = _intra(x.q, x.k, x.g, x.e) if x.log_g is None else _intra_vector(x.q, x.k, x.log_g)
     h, ht = _state_scan(_bmm(intra.kg.mT, x.v), intra.decay, x.h0)
     o = _bmm(intra.qg, h)
     # a non-finite k, v, gate or initial state always reaches the final state (see NOTE:[GLA
