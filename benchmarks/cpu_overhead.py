@@ -1,6 +1,6 @@
 """Host-side cost of one eager ``gla_inductor.chunk_gla`` call on CUDA (launch overhead), profiled.
 
-    python benchmarks/cpu_overhead.py [--calls 300] [--gate vector] [--bwd]
+    python benchmarks/cpu_overhead.py [--calls 300] [--gate vector] [--bwd] [--trace]
 
 At a tiny shape the GPU work is negligible, so the time per call is what the host spends; cProfile
 lists where.
@@ -22,6 +22,7 @@ def main():
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--gate", default="vector", choices=["vector", "scalar"])
     p.add_argument("--bwd", action="store_true")
+    p.add_argument("--trace", action="store_true", help="also list CUDA runtime calls (syncs, copies) by torch.profiler")
     args = p.parse_args()
     gla_inductor.config.triton_gates = ("vector", "scalar", "constant", "none")
     B, T, H, K, V = 1, 64, 1, 128, 128
@@ -50,6 +51,14 @@ def main():
     torch.cuda.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tr:
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+        print(tr.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 if __name__ == "__main__":

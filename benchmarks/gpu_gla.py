@@ -165,6 +165,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--impls", default="ours,fla,naive,compiled")
     parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
+    parser.add_argument("--gates", default="vector,scalar", help="gate kinds to measure (FLA's autotuning "
+                        "takes minutes per kernel and shape: measure only what a run needs)")
     args = parser.parse_args()
     import triton
 
@@ -177,7 +179,8 @@ def main():
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "copy_bandwidth_tbs": bw / 1e12,
     }
-    fns = impls(args.impls.split(","))
+    gates = args.gates.split(",")
+    fns = {name: impl for name, impl in impls(args.impls.split(",")).items() if impl[0] in gates}
     rows = []
 
     def log(row):

@@ -190,10 +190,16 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     wide_chunks = BK <= 128 or local and dtype != torch.float32  # fp32 at K > 128: see `stages`
     block_t = min(64 if wide_chunks else 32, max(16, _pow2(T)))
     block_v = min(BV, 64 if BK <= 128 else 32)
+    carry_v = 64
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
             block_v //= 2
+        # the carries walk all chunks one after another: with programs for at most half the SMs,
+        # halve their value tiles (H100, vector gate, forward: 1.020 against 1.106 ms at
+        # (2, 16384, 16, 128, 128), 64 programs; 1.333 against 1.127 at (1, 8192, 96, 128, 128), 192)
+        if 2 * B * H * math.ceil(V / carry_v) <= sms:
+            carry_v = 32
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
     # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
@@ -213,7 +219,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         # 4 warps for 16-bit inputs: at (8, 2048, 4, 256, 512), vector gate, H100, the three carries
         # of fwd+bwd took 677 against 744 us with 8 (forward alone 0.386 against 0.426 ms), though
         # the [256, BV] state spills; fp32 at K = 256 keeps 8 (untimed; twice the operand bytes)
-        carry=TileConfig(block_v=64, num_warps=4 if BK <= 128 or dtype != torch.float32 else 8,
+        carry=TileConfig(block_v=carry_v, num_warps=4 if BK <= 128 or dtype != torch.float32 else 8,
                          num_stages=stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
     )

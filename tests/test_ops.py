@@ -332,6 +332,79 @@ def test_cuda_registry_is_ignored_on_cpu():
 
 
 # ----------------------------------------------------------------------------------------------
+# eager calls bypass torch.library's dispatch (ops._EagerChunkGLA)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_eager_calls_bypass_the_ops_with_the_same_results(gate, reverse, monkeypatch):
+    inputs = make_inputs(gate, T=70)
+    ref_inputs = {n: None if x is None else x.clone() for n, x in inputs.items()}
+    o, ht, grads = forward_and_grads(chunk_gla, inputs, reverse=reverse)
+    assert type(o.grad_fn).__name__ == "_EagerChunkGLABackward"
+    monkeypatch.setattr(ops, "_eager_fast_path", lambda tensors: False)
+    o_ref, ht_ref, grads_ref = forward_and_grads(chunk_gla, ref_inputs, reverse=reverse)
+    assert type(o_ref.grad_fn).__name__ != "_EagerChunkGLABackward"
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name, ref in grads_ref.items():
+        assert torch.equal(grads[name], ref), name
+
+
+def test_eager_fused_gate_grads_bypass_the_ops(monkeypatch):
+    """da and dbias of a fused softplus gate come back through the bypass too."""
+    inputs = make_inputs("scalar", T=70)
+    H = inputs["q"].shape[2]
+    gate = {"gate_fn": "softplus", "gate_a": -torch.rand(H, dtype=torch.float64), "gate_bias": torch.randn(H, dtype=torch.float64)}
+
+    def run():
+        leaves = {**{n: x.detach().clone().requires_grad_() for n, x in inputs.items() if x is not None},
+                  **{n: x.detach().clone().requires_grad_() for n, x in gate.items() if n != "gate_fn"}}
+        args = {n: leaves.get(n) for n in inputs}
+        o, _ = call(chunk_gla, args, gate_fn="softplus", gate_a=leaves["gate_a"], gate_bias=leaves["gate_bias"])
+        return o, torch.autograd.grad((o * o).sum(), list(leaves.values()))
+
+    o, grads = run()
+    assert type(o.grad_fn).__name__ == "_EagerChunkGLABackward"
+    monkeypatch.setattr(ops, "_eager_fast_path", lambda tensors: False)
+    o_ref, grads_ref = run()
+    assert torch.equal(o, o_ref)
+    for got, ref in zip(grads, grads_ref, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_dispatch_modes_see_the_ops():
+    """Under a dispatch mode (tracing, fake tensors, op counters) chunk_gla calls the op itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    inputs = make_inputs("vector", T=10, dtype=torch.float32)
+    with Record() as mode:
+        o, _ = call(chunk_gla, inputs)
+    assert "gla_inductor.chunk_fwd.default" in mode.funcs
+    torch.testing.assert_close(o, call(chunk_gla, inputs)[0], rtol=0, atol=0)
+
+
+def test_eager_double_backward_is_refused():
+    inputs = make_inputs("vector", T=10)
+    q = inputs["q"].requires_grad_()
+    o, _ = call(chunk_gla, inputs)
+    do = torch.randn_like(o).requires_grad_()
+    (dq,) = torch.autograd.grad(o, q, do, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------------
 
