@@ -148,9 +148,10 @@ class StandaloneKernel:
         named = {**tensors, OUT: out}
         args: list[Any] = [named[n] for n in self.pointers]
         args.append(out)
-        for s in self.scalars:
-            t = named[s.tensor]
-            args.append(t.shape[s.dim] if s.kind == "size" else t.stride(s.dim))
+        # one stride() call per tensor, not one per scalar: a launch takes ~30 sizes and strides of
+        # ~8 tensors, and its host time matters where the GPU work is short (eager calls)
+        dims = {n: {"size": t.shape, "stride": t.stride()} for n, t in named.items()}
+        args += [dims[s.tensor][s.kind][s.dim] for s in self.scalars]
         self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
 
 
