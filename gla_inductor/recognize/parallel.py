@@ -190,17 +190,22 @@ def _roles(av: AV, term) -> Roles:
     return Roles(q, k, v, i, j, kk, vv, batch)
 
 
-def _qkv_by_value(atoms: list, v: Factor, summed: set) -> tuple:
-    """(q, k, v, j, kk) given v, the only input that has the value axis. K of size 1: k is the
-    other input contracted with v over time, q the one that is not."""
-    j_c = [s for s in summed if s in factor_vars(v)]
-    if len(j_c) != 1:
-        raise Reject("v must be contracted over exactly one (time) axis")
-    j = j_c[0]
+def _time_and_key(time_candidates: list, summed: set, contracted: str) -> tuple:
+    """(j, kk): the one summed time axis among the candidates, and the key axis, the other summed
+    axis (None for K of size 1)."""
+    if len(time_candidates) != 1:
+        raise Reject(f"{contracted} must be contracted over exactly one (time) axis")
+    j = time_candidates[0]
     kk_c = [s for s in summed if s != j]
     if len(kk_c) > 1:
         raise Reject(f"expected one contracted key axis, found {len(kk_c)}")
-    kk = kk_c[0] if kk_c else None
+    return j, kk_c[0] if kk_c else None
+
+
+def _qkv_by_value(atoms: list, v: Factor, summed: set) -> tuple:
+    """(q, k, v, j, kk) given v, the only input that has the value axis. K of size 1: k is the
+    other input contracted with v over time, q the one that is not."""
+    j, kk = _time_and_key([s for s in summed if s in factor_vars(v)], summed, "v")
     rest = [f for f in atoms if f is not v]
     k_c = [f for f in rest if j in factor_vars(f) and (kk is None or kk in factor_vars(f))]
     q_c = [f for f in rest if j not in factor_vars(f) and (kk is None or kk in factor_vars(f))]
@@ -222,14 +227,7 @@ def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
         raise Reject("no value axis: an output axis that only v carries")
     q = q_c[0]
     rest = [f for f in atoms if f is not q]
-    j_c = [s for s in summed if all(s in factor_vars(f) for f in rest)]
-    if len(j_c) != 1:
-        raise Reject("k and v must be contracted over exactly one (time) axis")
-    j = j_c[0]
-    kk_c = [s for s in summed if s != j]
-    if len(kk_c) > 1:
-        raise Reject(f"expected one contracted key axis, found {len(kk_c)}")
-    kk = kk_c[0] if kk_c else None
+    j, kk = _time_and_key([s for s in summed if all(s in factor_vars(f) for f in rest)], summed, "k and v")
     k_c = [f for f in rest if kk is None or kk in factor_vars(f)]
     if kk is not None and (len(k_c) != 1 or kk not in factor_vars(q)):
         raise Reject("cannot tell q and k apart")
