@@ -4,7 +4,7 @@
 
 Times ``chunk_fwd_triton`` (median of ``triton.testing.do_bench``) for the fused schedule (one scan)
 over value tiles, warps and stages (and 128-step chunks), for the local schedule over the carry's
-tiles, and for the split schedule (states scan, then the chunk-parallel
+tiles and segments, and for the split schedule (states scan, then the chunk-parallel
 output kernel) over the output kernel's tiles; every config is checked against the default one.
 """
 
@@ -63,7 +63,12 @@ def main():
             for stages in (1, 2):  # one stage: half the shared memory, so two programs may share an SM
                 tile = TileConfig(block_v=bv, num_warps=warps, num_stages=stages)
                 name = f"local carry BV={bv} w={warps} s={stages}"
-                configs.append((name, dataclasses.replace(base, local=True, carry=tile)))
+                configs.append((name, dataclasses.replace(base, local=True, carry=tile, segments=1)))
+    for segments in (2, 4, 8, 16):  # the local schedule's forward carry cut into segments
+        for bv in (32, 64):
+            tile = TileConfig(block_v=bv, num_warps=4, num_stages=2)
+            name = f"local carry P={segments} BV={bv} w=4 s=2"
+            configs.append((name, dataclasses.replace(base, local=True, carry=tile, segments=segments)))
     if args.only:  # the default stays, as the baseline
         configs = [(n, c) for n, c in configs if n == "default" or any(o in n for o in args.only.split("|"))]
     rows = []

@@ -5,7 +5,8 @@
 Renders the template with the options ``triton_chunk`` would pass at (B, T, H, K, V) =
 (8, 2048, 16, --k, --v) in bf16, compiles it with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``,
 and runs the ptxas bundled with Triton on the PTX. ``--dump`` writes the TTGIR and PTX to look at
-layouts and shared-memory round trips.
+layouts and shared-memory round trips. Register counts depend on the Triton version: put the GPU
+machine's (``pip install --target DIR triton==3.6.0``) first on PYTHONPATH to see its counts.
 """
 
 import argparse
@@ -27,16 +28,17 @@ from gla_inductor.templates import standalone
 # per template: the tensors it may name, (rank, dtype at the benchmark's bf16 inputs)
 TENSORS = {
     "q": (4, "bf16"), "k": (4, "bf16"), "v": (4, "bf16"), "g": (4, "bf16"), "g_gamma": (1, "fp32"),
-    "x": (4, "bf16"), "y": (4, "bf16"), "A": (4, "bf16"), "ks": (4, "bf16"), "dl": (4, "fp32"),
+    "x": (4, "bf16"), "y": (4, "bf16"), "A": (4, "bf16"), "ks": (4, "bf16"), "qs": (4, "bf16"), "dl": (4, "fp32"),
     "h0": (4, "fp32"), "ht": (4, "fp32"), "h": (5, "bf16"), "do": (4, "bf16"), "dh": (5, "bf16"),
     "dk": (4, "bf16"), "dg": (4, "fp32"), "gate_a": (1, "fp32"), "gate_bias": (2, "fp32"),
 }
 MODES = {  # template, extra options, main output (rank, dtype)
     "scan": ("gla_chunk_scan", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True),
              (4, "bf16")),
-    "carry": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True),
-              (4, "bf16")),
-    "local": ("gla_chunk_local", dict(TRANSPOSE=False, BKS=64), (4, "bf16")),
+    "carry": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True,
+                                      SEGMENTS=1, SEGMENT_SUMS=False), (4, "bf16")),
+    "local": ("gla_chunk_local", dict(TRANSPOSE=False), (4, "bf16")),
+    "local_t": ("gla_chunk_local", dict(TRANSPOSE=True), (4, "bf16")),
     "dqkg": ("gla_chunk_bwd_dqkg", dict(), (4, "bf16")),  # BK: the dqkg tile's block_k
 }
 
@@ -55,6 +57,10 @@ def main():
     p.add_argument("--v", type=int, default=128)
     p.add_argument("--gate-fn", default="", help="a fused gate function (gates.GATE_FNS)")
     p.add_argument("--no-specialize", action="store_true", help="sizes without divisibility (as before)")
+    p.add_argument("--maxnreg", type=int, help="cap the registers per thread (Triton's maxnreg option)")
+    p.add_argument("--bks", type=int, help="gla_chunk_local's key slice (default: local_key_slice)")
+    p.add_argument("--bkp", type=int, help="gla_chunk_local's key slice on its steep path (local_steep_slice)")
+    p.add_argument("--preload", type=int, choices=[0, 1], help="gla_chunk_local's PRELOAD (local_preload)")
     args = p.parse_args()
 
     template, extra, (out_rank, out_dtype) = MODES[args.mode]
@@ -65,6 +71,11 @@ def main():
     gate_fn = GateFn(args.gate_fn, 1 / 16) if args.gate_fn else GateFn()
     options = triton_chunk.kernel_options(cfg, dtype, args.k, args.gate, args.k ** -0.5, False, False, gate_fn)
     options.update(extra, BV=args.bv)
+    if args.mode.startswith("local"):
+        options = triton_chunk.local_options(options, extra["TRANSPOSE"])
+        options["BKS"] = args.bks or options["BKS"]
+        options["BKP"] = min(args.bkp or options["BKP"], options["BKS"])
+        options["PRELOAD"] = options["PRELOAD"] if args.preload is None else bool(args.preload)
     if args.mode == "dqkg":
         options["BK"] = triton_chunk.dqkg_block_k(cfg, options)
     ranks = {n: r for n, (r, _) in TENSORS.items()}
@@ -109,7 +120,8 @@ def main():
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=args.warps, num_stages=args.stages))
+                              options=dict(num_warps=args.warps, num_stages=args.stages,
+                                           **(dict(maxnreg=args.maxnreg) if args.maxnreg else {})))
     compile_s = time.perf_counter() - start
     ptx = compiled.asm["ptx"]
     ptx_path = path.with_suffix(".ptx")

@@ -18,7 +18,8 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
     every chunk's state-independent terms in parallel (decayed q and k, scores, chunk decay), and
     gla_chunk_carry scans them with three dots per chunk:
     forward   2 launches (local, carry); backward 4 (local with the scores' transpose, states carry,
-              dual carry, dqkg).
+              dual carry, dqkg). A long sequence with few heads cuts each carry's walk into
+              segments walked in parallel (``carry_segments``), one more launch per carry.
 
 ``chunk_fwd_triton`` / ``chunk_bwd_triton`` follow the contract of the ``gla_inductor::chunk_fwd`` /
 ``chunk_bwd`` custom ops. They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -95,6 +96,9 @@ class ChunkConfig:
     local: bool = False
     local_tile: TileConfig = TileConfig(block_v=0, num_warps=8, num_stages=2)
     carry: TileConfig = TileConfig(block_v=64, num_warps=4, num_stages=2)
+    # segments of the carries' walks, each walked by its own programs (``carry_segments``); 1: one
+    # walk over all chunks
+    segments: int = 1
     # how fp32 operands multiply ("ieee", "tf32", "tf32x3"); None: "tf32x3" for fp32 inputs under
     # torch's "highest" matmul precision, else "tf32" (fp16 inputs use fp32 operands: fp16's range
     # cannot hold the kernels' gated factors, and TF32 keeps fp16's 10-bit mantissa). "tf32x3"
@@ -159,14 +163,60 @@ def local_key_slice(BK: int) -> int:
     return BK if BK <= 128 else 64
 
 
+def local_steep_slice(BKS: int) -> int:
+    """Keys gla_chunk_local's exact pairwise path (steep chunks of vector gates) handles at once,
+    reloading them from memory. The slice sets the registers of the whole kernel (sm_90, 8 warps,
+    bf16, K = 128, triton 3.6): whole slices of 128 keys took 255 per thread, 16 keys 134, 8 keys
+    121, the first count at which two programs share an SM. H100, CUDA-graph times
+    (benchmarks/results/h100-2026-11-23-segments.md): forward 0.365 -> 0.298 ms from 16 to 8 keys at
+    (8, 2048, 16, 128, 128), 0.829 -> 0.698 at (2, 16384, 16, 128, 128); backward 1.310 -> 1.260
+    and 2.816 -> 2.720. At K = 256 (slices of 64) the kernel keeps 172 registers."""
+    return min(BKS, 8)
+
+
+def local_preload(BK: int, BKS: int) -> bool:
+    """Whether gla_chunk_local loads a slice's q and k before its gate's sums (PRELOAD), so that the
+    loads overlap the sums, or only on the common path after them, which keeps them out of the
+    registers meanwhile. With one slice (K <= 128) the registers matter: 125 per thread without,
+    162 with (sm_90, 8 warps, triton 3.6), one program per SM instead of two. With several, the
+    kernel has more than 128 either way and the overlap wins: H100, (8, 2048, 4, 256, 512), forward
+    0.372 -> 0.359 ms (CUDA graph; benchmarks/results/h100-2026-11-23-segments.md)."""
+    return BKS < BK
+
+
+def local_options(options: dict, transpose: bool) -> dict:
+    """gla_chunk_local's options: the shared ones, the scores' orientation, its key slices."""
+    BKS = local_key_slice(options["BK"])
+    return dict(options, TRANSPOSE=transpose, BKS=BKS, BKP=local_steep_slice(BKS),
+                PRELOAD=local_preload(options["BK"], BKS))
+
+
 def local_terms(options: dict, B, T, H, K, NT, block_t: int) -> dict:
-    """Shape and dtype of each of gla_chunk_local's outputs, for the kernel ``options``: qs (its main
-    output), ks, A in the dot dtype; dl fp32, None without a gate. Sizes may be symbolic (lowerings)."""
+    """Shape and dtype of each of gla_chunk_local's outputs, for the kernel ``options``: A (its main
+    output), qs, ks in the dot dtype; dl fp32, None without a gate. Sizes may be symbolic (lowerings)."""
     dtype = torch.bfloat16 if options["DOT_DTYPE"] == "tl.bfloat16" else torch.float32
     gated = options["USE_GK"] or options["USE_G"] or options["USE_G_GAMMA"]
     dl = ((B, NT, H, K) if options["USE_GK"] else (B, NT, H), torch.float32)
     return dict(qs=((B, T, H, K), dtype), ks=((B, T, H, K), dtype), A=((B, T, H, block_t), dtype),
                 dl=dl if gated else None)
+
+
+def carry_segments(B: int, H: int, V: int, NT: int, sms: int) -> int:
+    """Segments of the carries' walks (gla_chunk_carry's SEGMENTS): where the carries' programs
+    (value tiles of 64) would fill at most half the SMs, the walk is cut in up to 8 segments of at
+    least 4 chunks, for up to 4 programs per SM. H100, vector gate, bf16, CUDA-graph times
+    (benchmarks/results/h100-2026-11-23-segments.md): at (2, 16384, 16, 128, 128), 64 programs,
+    forward 1.104 ms without segments (1.015 with value tiles of 32), 0.829 with 4, 0.815 with 8;
+    backward 3.080 (2.960), 2.828, 2.798. At (1, 2048, 8, 128, 128), 16 programs, 32 chunks:
+    forward 0.075, 0.044, 0.040 ms. Where the programs fill more than half the SMs, the segments'
+    extra pass over ks and v (and each program's fold of the segments before it) costs more than
+    it saves: at (1, 8192, 96, 128, 128), 192 programs, 1.128 ms without, 1.274 with 2."""
+    programs = B * H * math.ceil(V / 64)
+    segments = 1
+    if 2 * programs <= sms:
+        while segments < 8 and 2 * segments * programs <= 4 * sms and NT >= 8 * segments:
+            segments *= 2
+    return segments
 
 
 def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
@@ -191,14 +241,17 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     block_t = min(64 if wide_chunks else 32, max(16, _pow2(T)))
     block_v = min(BV, 64 if BK <= 128 else 32)
     carry_v = 64
+    segments = 1
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
             block_v //= 2
-        # the carries walk all chunks one after another: with programs for at most half the SMs,
-        # halve their value tiles (H100, vector gate, forward: 1.020 against 1.106 ms at
-        # (2, 16384, 16, 128, 128), 64 programs; 1.333 against 1.127 at (1, 8192, 96, 128, 128), 192)
-        if 2 * B * H * math.ceil(V / carry_v) <= sms:
+        segments = carry_segments(B, H, V, math.ceil(T / block_t), sms)
+        # the carries walk all chunks one after another: with programs for at most half the SMs and
+        # too few chunks for segments, halve their value tiles (H100, vector gate, forward: 1.020
+        # against 1.106 ms at (2, 16384, 16, 128, 128), 64 programs, before segments; 1.333 against
+        # 1.127 at (1, 8192, 96, 128, 128), 192)
+        if segments == 1 and 2 * B * H * math.ceil(V / carry_v) <= sms:
             carry_v = 32
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
@@ -222,6 +275,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         carry=TileConfig(block_v=carry_v, num_warps=4 if BK <= 128 or dtype != torch.float32 else 8,
                          num_stages=stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
+        segments=segments,
     )
 
 
@@ -251,16 +305,17 @@ def triton_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
     return None
 
 
-def scan_grid(B: int, H: int, V: int, block_v: int) -> tuple[int, int]:
-    """(cdiv(V, BV), B * H) for gla_chunk_scan.
+def scan_grid(B: int, H: int, V: int, block_v: int, segments: int = 1) -> tuple[int, int, int]:
+    """(cdiv(V, BV), B * H, segments) for gla_chunk_scan and gla_chunk_carry.
 
     One program per value tile of one (batch, head). It walks all NT chunks in order and carries its
     [K, BV] slice of the state in registers, so chunks never exchange states through HBM. The
     sequence is not split: parallelism is B * H * cdiv(V, BV) programs, each doing NT dependent
     steps; narrower value tiles buy parallelism when B * H is small, at the price of recomputing
-    the [BT, BT] intra-chunk scores once per tile.
+    the [BT, BT] intra-chunk scores once per tile. gla_chunk_carry may also cut the walk into
+    segments (``carry_segments``).
     """
-    return (math.ceil(V / block_v), B * H)
+    return (math.ceil(V / block_v), B * H, segments)
 
 
 def chunk_grid(B: int, T: int, H: int, block_t: int, n_tiles: int) -> tuple[int, int, int]:
@@ -362,22 +417,39 @@ class _Launcher:
         """gla_chunk_local: (qs, ks, A, dl), see the template."""
         NT = math.ceil(self.T / self.cfg.block_t)
         terms = local_terms(self.options, self.B, self.T, self.H, self.K, NT, self.cfg.block_t)
-        qs, ks, A, dl = (None if t is None else torch.empty(t[0], dtype=t[1], device=self.device)
-                         for t in terms.values())
-        options = dict(self.options, TRANSPOSE=transpose, BKS=local_key_slice(self.options["BK"]))
-        tensors = dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl)
-        _launch("gla_chunk_local", options, tensors, qs, (NT, self.B * self.H), self.cfg.local_tile)
+        qs, ks, A, dl = (None if terms[n] is None else torch.empty(terms[n][0], dtype=terms[n][1], device=self.device)
+                         for n in ("qs", "ks", "A", "dl"))
+        options = local_options(self.options, transpose)
+        tensors = dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl)
+        _launch("gla_chunk_local", options, tensors, A, (NT, self.B * self.H), self.cfg.local_tile)
         return qs, ks, A, dl
 
     def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,
-              dl: Optional[Tensor], x=None, A=None, h0=None, h=None, ht=None) -> None:
-        """gla_chunk_carry (see the template), on gla_chunk_local's terms."""
+              dl: Optional[Tensor], x=None, A=None, h0=None, h=None, ht=None, segments: int = 1) -> None:
+        """gla_chunk_carry (see the template), on gla_chunk_local's terms; with segments > 1, first
+        the segments' sums (``segment_sums``), then the walk, both in parallel over the segments."""
         tiles = self.cfg.carry
         store_ht = ht is not None and ht.numel() > 0
+        hs, ds = self.segment_sums(y, v, dl, dual, segments) if segments > 1 else (None, None)
         options = dict(self.options, BV=tiles.block_v, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
-                       USE_H0=h0 is not None, STORE_HT=store_ht)
-        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, h=h, ht=ht if store_ht else None)
-        _launch("gla_chunk_carry", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
+                       USE_H0=h0 is not None, STORE_HT=store_ht, SEGMENTS=segments, SEGMENT_SUMS=False)
+        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None)
+        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
+
+    def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool,
+                     segments: int) -> tuple[Tensor, Optional[Tensor]]:
+        """gla_chunk_carry's SEGMENT_SUMS mode: (hs [B, P, H, K, V], ds [B, P, H(, K)] or None), the
+        state each of the P segments leaves from a zero start and the decay across it."""
+        tiles = self.cfg.carry
+        hs = torch.empty(self.B, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        ds = None if dl is None else torch.empty(self.B, segments, *dl.shape[2:], dtype=torch.float32,
+                                                  device=self.device)
+        options = dict(self.options, BV=tiles.block_v, WRITE_OUT=False, DUAL=dual, STORE_STATES=False, USE_H0=False,
+                       STORE_HT=False, SEGMENTS=segments, SEGMENT_SUMS=True)
+        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds), hs, grid, tiles)
+        return hs, ds
 
     def output(self, out: Tensor, *, dual: bool, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> None:
         tiles = self.cfg.output
@@ -434,7 +506,7 @@ def chunk_fwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
     if cfg.local:
         qs, ks, A, dl = run.local(q, k, transpose=False)
         run.carry(o, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl, h0=initial_state,
-                  ht=ht)
+                  ht=ht, segments=cfg.segments)
     elif cfg.split:
         h = run.states()
         run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht)
@@ -478,9 +550,10 @@ def chunk_bwd_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gam
     if cfg.local:
         # chunk-local terms once; the dual scan takes x = ks, y = qs and the scores' transpose
         qs, ks, At, dl = run.local(q, k, transpose=True)
-        run.carry(h, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state)
+        run.carry(h, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state,
+                  segments=cfg.segments)
         run.carry(dv, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl, h0=dht, h=dh,
-                  ht=dh0)
+                  ht=dh0, segments=cfg.segments)
         del qs, ks, At
     elif cfg.split:
         run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)

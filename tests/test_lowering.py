@@ -6,6 +6,7 @@ Without a GPU, Inductor generates Triton for CPU tensors and runs it under the T
 compute; ../shared/research/inductor.md §7). On a GPU the same tests run on CUDA.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -15,6 +16,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import gla_inductor
+from gla_inductor import triton_chunk
 from gla_inductor.reference import naive_recurrent_gla
 
 triton = pytest.importorskip("triton")
@@ -108,7 +110,7 @@ def test_forward_and_backward_run_the_templates(gate, reverse):
 def test_local_schedule_runs_its_templates(gate, monkeypatch):
     """The local schedule (chosen on a GPU for large heads; forced here): forward = chunk-local terms
     plus the carry scan, backward = local terms, two carry scans, dq/dk/dg; gradients exact."""
-    monkeypatch.setattr(gla_inductor.triton_chunk, "local_schedule", lambda BK, vector_gate: True)
+    monkeypatch.setattr(triton_chunk, "local_schedule", lambda BK, vector_gate: True)
     x = _inputs(1, 37, 2, 16, 24, gate, h0=True)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(1, 37, 2, 24, generator=gen, dtype=torch.float64).to(DEVICE)
@@ -130,6 +132,39 @@ def test_local_schedule_runs_its_templates(gate, monkeypatch):
 
     o64, ht64, x64 = _reference(x, reverse=True)
     ((o64 * w).sum() + ht64.sum()).backward()
+    assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
+    for name, t in x.items():
+        assert _rel(t.grad, x64[name].grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar", "none"])
+def test_carries_in_segments(gate, monkeypatch):
+    """Carries cut into segments (chosen on a GPU for long sequences with few heads; forced here):
+    each carry is two launches, the segments' sums then the walk; o, the final state and the
+    gradients as without segments."""
+    from gla_inductor.lowerings import chunk as lowering
+
+    def segmented(*args):
+        return dataclasses.replace(triton_chunk.default_config(*args), local=True, segments=2)
+
+    monkeypatch.setattr(lowering, "default_config", segmented)
+    x = _inputs(1, 150, 2, 16, 24, gate, h0=True)  # 3 chunks: segments of 2 and 1
+
+    @torch.compile(fullgraph=True)
+    def fwd(x):
+        return gla_inductor.chunk_gla(**x, output_final_state=True)
+
+    def fwd_bwd():
+        o, ht = fwd(x)
+        (o.double().sum() + ht.double().sum()).backward()
+        return o, ht
+
+    (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    assert not EXTERN_CALL.search(fwd_code + bwd_code)
+    assert fwd_code.count(LOCAL_KERNEL) == 1 and fwd_code.count(CARRY_KERNEL) == 2
+    assert bwd_code.count(CARRY_KERNEL) == 4  # the states carry and the dual one, each after its sums
+    o64, ht64, x64 = _reference(x, reverse=False)
+    (o64.sum() + ht64.sum()).backward()
     assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
     for name, t in x.items():
         assert _rel(t.grad, x64[name].grad) < 1e-4, name

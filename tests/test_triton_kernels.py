@@ -75,11 +75,14 @@ class Case:
     tol_scale: float = 1.0
     split: bool = False  # the split schedule: states scans, then chunk-parallel outputs
     local: bool = False  # the forward's local schedule: chunk-local terms, then the carry scan
+    segments: int = 1  # the local forward's carry cut into segments walked in parallel
 
     @property
     def id(self) -> str:
         parts = [self.gate, f"B{self.B}-T{self.T}-H{self.H}-K{self.K}-V{self.V}", str(self.dtype)[6:]]
         parts += [name for name in ("h0", "ht", "reverse", "transposed", "split", "local") if getattr(self, name)]
+        if self.segments > 1:
+            parts.append(f"segments{self.segments}")
         if self.gate_fn is not _logsigmoid_gate:
             parts.append(self.gate_fn.__name__.strip("_"))
         return "-".join(parts)
@@ -139,6 +142,20 @@ CASES = [
     Case("scalar", T=130, H=2, K=32, V=32, dtype=bf16, h0=True, reverse=True, local=True),
     Case("vector", T=40, H=2, K=32, V=32, dtype=fp16, h0=True, ht=True, local=True),
     Case("vector", T=256, h0=True, ht=True, gate_fn=_mixed_gate, tol_scale=10, local=True),
+    # steep chunks in the local kernel's narrow key slices (16 keys at a time, the last one partial)
+    Case("vector", T=192, H=2, K=40, V=24, h0=True, ht=True, reverse=True, gate_fn=_mixed_gate, tol_scale=10,
+         local=True),
+    # and at K > 128, whose slices of 64 keys load q and k before the gate sums (local_preload)
+    Case("vector", T=100, K=160, V=24, ht=True, gate_fn=_mixed_gate, tol_scale=10, local=True),
+    # the local forward with its carry in segments: 5 chunks in segments of 2, 2, 1; 3 chunks in 4
+    # segments (the last one empty: its program only folds the others into the final state)
+    Case("vector", B=2, T=300, H=2, K=20, V=12, h0=True, ht=True, local=True, segments=3),
+    Case("vector", T=300, H=2, K=32, V=32, h0=True, ht=True, reverse=True, local=True, segments=3),
+    Case("vector", T=130, K=32, V=32, ht=True, local=True, segments=4),
+    Case("scalar", T=300, H=2, K=32, V=32, h0=True, ht=True, reverse=True, local=True, segments=2),
+    Case("const", T=300, H=2, K=20, V=12, ht=True, local=True, segments=3),
+    Case("none", T=300, K=20, V=12, h0=True, ht=True, local=True, segments=3),
+    Case("vector", T=300, H=2, K=20, V=12, dtype=bf16, h0=True, local=True, segments=3),
     Case("scalar", T=200, h0=True, ht=True, reverse=True, gate_fn=_steep_gate, tol_scale=10, local=True),
     # K = 256: the fused schedule (Case.local is False), and below the default one, the local
     # schedule with 64-step chunks and keys in slices of 64
@@ -198,7 +215,7 @@ def test_chunk_fwd_bwd_match_reference(case: Case):
     scale = case.K**-0.5
     config = triton_chunk.default_config(case.B, case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
                                          q.device)
-    config = dataclasses.replace(config, split=case.split, local=case.local)
+    config = dataclasses.replace(config, split=case.split, local=case.local, segments=case.segments)
     o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, scale, case.ht, case.reverse, config=config)
     grads = triton_chunk.chunk_bwd_triton(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse, config=config)
     ref_o, ref_ht, ref_grads = _reference(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse)

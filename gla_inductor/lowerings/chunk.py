@@ -34,7 +34,7 @@ from ..cuda_dispatch import _unsupported, gate_kind
 from ..gates import GateFn
 from ..templates.standalone import OUT, load_template, render_source
 from ..triton_chunk import (ChunkConfig, TileConfig, default_config, dqkg_block_k, faulting_tile, kernel_options,
-                            local_key_slice, local_terms)
+                            local_options, local_terms)
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -47,9 +47,10 @@ gla = torch.ops.gla_inductor
 
 @SymbolicGridFn
 def _scan_grid(BH, V, meta, *, cdiv):
-    """How is gla_chunk_scan parallelized? One program per (value tile, batch * head) walks all
-    chunks in order with its state slice on chip (see ``triton_chunk.scan_grid``)."""
-    return (cdiv(V, meta["BV"]), BH, 1)
+    """How are gla_chunk_scan and gla_chunk_carry parallelized? One program per (value tile,
+    batch * head) walks all chunks in order with its state slice on chip, or, in a carry cut into
+    segments, the chunks of its segment (see ``triton_chunk.scan_grid``)."""
+    return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1))
 
 
 @SymbolicGridFn
@@ -76,7 +77,12 @@ CARRY = _template("gla_chunk_carry", _scan_grid)
 DQKG = _template("gla_chunk_bwd_dqkg", _dqkg_grid)
 
 # the named arguments each template writes with tl.store (its main output goes through store_output)
-_WRITTEN = {SCAN.name: ("h", "ht"), LOCAL.name: ("ks", "A", "dl"), CARRY.name: ("h", "ht"), DQKG.name: ("dk", "dg")}
+_WRITTEN = {SCAN.name: ("h", "ht"), LOCAL.name: ("qs", "ks", "dl"), CARRY.name: ("h", "ht"), DQKG.name: ("dk", "dg")}
+
+
+def _written(template: TritonTemplate, options: dict) -> tuple[str, ...]:
+    # a carry's segment decays ds: written by its SEGMENT_SUMS launch, read by the walk after it
+    return _WRITTEN[template.name] + (("ds",) if options.get("SEGMENT_SUMS") else ())
 
 # ----------------------------------------------------------------------------------------------
 # when to lower to the templates
@@ -230,22 +236,39 @@ class _Plan:
         without a gate."""
         B, T, H, K, block_t = self.B, self.T, self.H, self.K, self.cfg.block_t
         terms = local_terms(self.options, B, T, H, K, _cdiv(T, block_t), block_t)
-        ks, A, dl = (None if terms[n] is None else _empty(*terms[n], self.device) for n in ("ks", "A", "dl"))
-        tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, ks=ks, A=A, dl=dl).items() if t is not None}
-        options = dict(self.options, TRANSPOSE=transpose, BKS=local_key_slice(self.options["BK"]))
-        qs = self._select(LOCAL, options, tensors, _layout(self.device, terms["qs"][1], terms["qs"][0]), [T, B * H],
-                          [dict(tiles=self.cfg.local_tile)])
+        qs, ks, dl = (None if terms[n] is None else _empty(*terms[n], self.device) for n in ("qs", "ks", "dl"))
+        tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl).items() if t is not None}
+        A = self._select(LOCAL, local_options(self.options, transpose), tensors,
+                         _layout(self.device, terms["A"][1], terms["A"][0]), [T, B * H],
+                         [dict(tiles=self.cfg.local_tile)])
         return qs, ks, A, dl
 
-    def carry(self, layout, *, write_out: bool, dual: bool, store_states: bool, **tensors):
+    def carry(self, layout, *, write_out: bool, dual: bool, store_states: bool, segments: int = 1, **tensors):
         """gla_chunk_carry on gla_chunk_local's terms: returns the main output; ``h`` and ``ht`` are
-        written. One tile (the eager default): its max-autotune space is not explored yet."""
+        written. With segments > 1, after the segments' sums (``segment_sums``). One tile (the
+        eager default): its max-autotune space is not explored yet."""
         tensors = {n: t for n, t in tensors.items() if t is not None}
+        if segments > 1:
+            hs, ds = self.segment_sums(tensors["y"], tensors["v"], tensors.get("dl"), dual, segments)
+            tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
         options = dict(self.options, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
-                       USE_H0="h0" in tensors, STORE_HT="ht" in tensors)
+                       USE_H0="h0" in tensors, STORE_HT="ht" in tensors, SEGMENTS=segments, SEGMENT_SUMS=False)
         tiles = self.cfg.carry
         return self._select(CARRY, options, tensors, layout, [self.B * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
+
+    def segment_sums(self, y, v, dl, dual: bool, segments: int):
+        """gla_chunk_carry's SEGMENT_SUMS mode: (hs, ds), the state each segment leaves from a zero
+        start (main output) and the decay across it (None without a gate)."""
+        B, H = self.B, self.H
+        ds = None if dl is None else _empty((B, segments, *dl.get_size()[2:]), torch.float32, self.device)
+        tensors = {n: t for n, t in dict(y=y, v=v, dl=dl, ds=ds).items() if t is not None}
+        options = dict(self.options, WRITE_OUT=False, DUAL=dual, STORE_STATES=False, USE_H0=False, STORE_HT=False,
+                       SEGMENTS=segments, SEGMENT_SUMS=True)
+        tiles = self.cfg.carry
+        layout = _layout(self.device, torch.float32, (B, segments, H, self.K, self.V))
+        hs = self._select(CARRY, options, tensors, layout, [B * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
+        return hs, ds
 
     def dqkg(self, layout, **tensors):
         """gla_chunk_bwd_dqkg: returns dq; ``dk`` and ``dg`` are written."""
@@ -258,7 +281,7 @@ class _Plan:
     def _select(self, template: TritonTemplate, options: dict, tensors: dict, layout, call_sizes, variants):
         names = _arg_names(template, {**options, **variants[0], "tiles": None}, tensors)
         nodes = [tensors[n] for n in names]
-        written = [tensors[n] for n in names if n in _WRITTEN[template.name]]
+        written = [tensors[n] for n in names if n in _written(template, options)]
         choices: list[Any] = []
         for variant in variants:
             tiles = variant.pop("tiles")
@@ -319,7 +342,7 @@ def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, rev
     if plan.cfg.local:
         qs, ks, A, dl = plan.local(q, k, transpose=False)
         o = plan.carry(layout, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl,
-                       h0=initial_state, ht=ht if output_final_state else None)
+                       h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.segments)
     else:
         o = plan.scan(layout, plan.cfg.scan, write_out=True, dual=False, store_states=False, q=q, k=k, v=v,
                       h0=initial_state, ht=ht if output_final_state else None)
@@ -353,9 +376,10 @@ def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_
     # leaving every chunk), dh0
     if cfg.local:
         qs, ks, At, dl = plan.local(q, k, transpose=True)
-        h = plan.carry(states, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state)
+        h = plan.carry(states, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state,
+                       segments=cfg.segments)
         dv = plan.carry(dv_layout, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl,
-                        h0=dht, h=dh, ht=dh0 if initial_state is not None else None)
+                        h0=dht, h=dh, ht=dh0 if initial_state is not None else None, segments=cfg.segments)
     else:
         h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
         dv = plan.scan(dv_layout, cfg.dual, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht,
