@@ -167,7 +167,7 @@ def local_steep_slice(BKS: int) -> int:
     """Keys gla_chunk_local's exact pairwise path (steep chunks of vector gates) handles at once,
     reloading them from memory. The slice sets the registers of the whole kernel (sm_90, 8 warps,
     bf16, K = 128, triton 3.6): whole slices of 128 keys took 255 per thread, 16 keys 134, 8 keys
-    121, the first count at which two programs share an SM. H100, CUDA-graph times
+    125, at which two programs share an SM. H100, CUDA-graph times
     (benchmarks/results/h100-2026-11-23-segments.md): forward 0.365 -> 0.298 ms from 16 to 8 keys at
     (8, 2048, 16, 128, 128), 0.829 -> 0.698 at (2, 16384, 16, 128, 128); backward 1.310 -> 1.260
     and 2.816 -> 2.720. At K = 256 (slices of 64) the kernel keeps 172 registers."""

@@ -323,6 +323,19 @@ def test_steep_gates_final_state_exact(gate):
 
 
 @needs_kernels
+def test_carry_segments_only_where_the_carries_leave_sms_idle():
+    """The rule of ``carry_segments`` at the shapes its H100 sweep measured (132 SMs): segments where
+    the carries' programs fill at most half the SMs and the sequence has chunks to cut, none where
+    they fill more (there the extra pass cost more than it saved)."""
+    segments = triton_chunk.carry_segments
+    assert segments(2, 16, 128, 256, sms=132) == 8  # (2, 16384, 16, 128, 128): 64 programs
+    assert segments(1, 8, 128, 32, sms=132) == 8  # (1, 2048, 8, 128, 128): 16 programs, 4 chunks each
+    assert segments(1, 96, 128, 128, sms=132) == 1  # (1, 8192, 96, 128, 128): 192 programs
+    assert segments(8, 16, 128, 32, sms=132) == 1  # the main shape: 256 programs
+    assert segments(8, 4, 512, 32, sms=132) == 1  # K = 256, V = 512: 256 programs
+    assert segments(1, 1, 64, 7, sms=132) == 1  # too few chunks to cut
+
+
 def test_supports_reports_limits():
     q = torch.randn(1, 4, 2, 16, device=DEVICE)
     assert triton_chunk.triton_supports(q, q, q) is None
