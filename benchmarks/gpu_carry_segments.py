@@ -2,7 +2,7 @@
 schedule at one shape, each timed alone in CUDA graphs (GPU time, no host overhead), bf16.
 
     PYTHONPATH=$PWD python benchmarks/gpu_carry_segments.py [--shape 2,16384,16,128,128] [--segments 1,2,4,8]
-        [--carry-v 64] [--warps 4] [--local-warps 8] [--out segments.json]
+        [--carry-v 64] [--warps 4] [--stages 2] [--block-t 64] [--local-warps 8] [--out segments.json]
 
 Every config's outputs are checked against the unsegmented one's.
 """
@@ -25,6 +25,8 @@ def main():
     p.add_argument("--segments", default="1,2,4,8")
     p.add_argument("--carry-v", default="64", help="the carries' value tiles")
     p.add_argument("--warps", default="4", help="the carries' warps")
+    p.add_argument("--stages", default=None, help="the carries' pipeline stages (default: the config's)")
+    p.add_argument("--block-t", type=int, default=None, help="the chunk size (default: the config's)")
     p.add_argument("--local-warps", type=int, default=8, help="gla_chunk_local's warps")
     p.add_argument("--out")
     args = p.parse_args()
@@ -34,11 +36,15 @@ def main():
     base = default_config(B, T, H, K, V, torch.bfloat16, args.gate == "vector", q.device)
     scale = K ** -0.5
     rows, ref = [], None
-    sweep = [(s, bv, w) for bv in map(int, args.carry_v.split(",")) for w in map(int, args.warps.split(","))
-             for s in map(int, args.segments.split(","))]
-    for segments, carry_v, warps in sweep:
+    if args.block_t:
+        base = dataclasses.replace(base, block_t=args.block_t)
+    stages = [base.carry.num_stages] if args.stages is None else list(map(int, args.stages.split(",")))
+    sweep = [(s, bv, w, st) for bv in map(int, args.carry_v.split(",")) for w in map(int, args.warps.split(","))
+             for st in stages for s in map(int, args.segments.split(","))]
+    for segments, carry_v, warps, st in sweep:
         cfg = dataclasses.replace(base, local=True, segments=segments,
-                                  carry=dataclasses.replace(base.carry, block_v=carry_v, num_warps=warps),
+                                  carry=dataclasses.replace(base.carry, block_v=carry_v, num_warps=warps,
+                                                            num_stages=st),
                                   local_tile=dataclasses.replace(base.local_tile, num_warps=args.local_warps))
 
         def fwd():
@@ -50,29 +56,30 @@ def main():
         try:
             out = (fwd(), *bwd()[:4])
         except Exception as e:
-            print(json.dumps(dict(segments=segments, carry_v=carry_v, warps=warps, error=repr(e)[:200])))
+            print(json.dumps(dict(segments=segments, carry_v=carry_v, warps=warps, stages=st, error=repr(e)[:200])))
             continue
         if ref is None:
             ref = out
         err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
         try:
-            row = dict(segments=segments, carry_v=carry_v, warps=warps, fwd_ms=do_bench_cudagraph(fwd, rep=50),
+            row = dict(segments=segments, carry_v=carry_v, warps=warps, stages=st, fwd_ms=do_bench_cudagraph(fwd, rep=50),
                        bwd_ms=do_bench_cudagraph(bwd, rep=50), max_rel_err_vs_first=err)
         except Exception as e:  # a tile that does not compile (registers, shared memory)
-            row = dict(segments=segments, carry_v=carry_v, warps=warps, fwd_ms=float("nan"), bwd_ms=float("nan"),
+            row = dict(segments=segments, carry_v=carry_v, warps=warps, stages=st, fwd_ms=float("nan"), bwd_ms=float("nan"),
                        error=repr(e)[:200])
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=[B, T, H, K, V], gate=args.gate,
-                    default_segments=base.segments, default_carry_v=base.carry.block_v)
+                    default_segments=base.segments, default_carry_v=base.carry.block_v, block_t=base.block_t)
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"| segments ({args.gate}, {args.shape}, local {args.local_warps} warps) | carry BV | warps | fwd ms "
-          "| bwd ms |")
-    print("|---|---|---|---|---|")
+    print(f"| segments ({args.gate}, {args.shape}, BT {base.block_t}, local {args.local_warps} warps) | carry BV "
+          "| warps | stages | fwd ms | bwd ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['segments']} | {r['carry_v']} | {r['warps']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} |")
+        print(f"| {r['segments']} | {r['carry_v']} | {r['warps']} | {r['stages']} | {r['fwd_ms']:.3f} "
+              f"| {r['bwd_ms']:.3f} |")
 
 
 if __name__ == "__main__":

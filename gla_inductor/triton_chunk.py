@@ -13,7 +13,7 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
   split: the scans only materialize states, and gla_chunk_output computes o (dv) chunk-parallel:
     forward   2 launches (states scan, output); backward 4 (states, dual states, dual output, dqkg).
     More HBM traffic, but the per-chunk work no longer sits on the scans' sequential path.
-  local (``ChunkConfig.local``, the default for vector gates from K = 128 and for other gates at
+  local (``ChunkConfig.local``, the default for vector gates from K = 64 and for other gates at
     K = 256, ``local_schedule``): gla_chunk_local computes
     every chunk's state-independent terms in parallel (decayed q and k, scores, chunk decay), and
     gla_chunk_carry scans them with three dots per chunk:
@@ -152,8 +152,11 @@ def local_schedule(BK: int, vector_gate: bool) -> bool:
     an H100 sweep (benchmarks/results/h100-2026-11-22-local.md): for vector gates from K = 128 on
     (0.367 against 0.435 ms at (8, 2048, 16, 128, 128), 0.48 against 1.04 ms at K = 256, V = 512),
     for the others at K = 256 only (0.39 against 1.36 ms; at K = 128 the fused scan's 0.197 ms beat
-    0.243). Small heads keep the fused scan (its one launch wins at (8, 1024, 8, 64, 64))."""
-    return BK >= 128 if vector_gate else BK > 128
+    0.243, and 0.185 beat 0.238 after the carries' segments and transposed state). Vector gates at
+    K = 64 too since the carries' segments: at (8, 1024, 8, 64, 64), forward 0.058 against 0.103 ms,
+    backward 0.183 against 0.247 (CUDA graphs, benchmarks/results/h100-2026-11-23-carry-t.md).
+    Smaller keys keep the fused scan (not measured)."""
+    return BK >= 64 if vector_gate else BK > 128
 
 
 def local_key_slice(BK: int) -> int:
@@ -253,6 +256,15 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         # 1.127 at (1, 8192, 96, 128, 128), 192)
         if segments == 1 and 2 * B * H * math.ceil(V / carry_v) <= sms:
             carry_v = 32
+    # The carries' tiles: value tiles of 64 with 4 warps for 16-bit inputs (8 warps lost at
+    # (8, 2048, 4, 256, 512), vector gate, H100: the three carries of fwd+bwd 744 against 677 us);
+    # fp32 at K = 256 keeps 8 (untimed; twice the operand bytes). At K > 128, tiles of 128 with 8
+    # warps (a warp group per 64 values) read the chunks' qs and ks half as often: forward 0.375 ->
+    # 0.311 ms, backward 1.350 -> 1.279 there; at K = 128 they lose (main shape 0.302 against 0.312;
+    # benchmarks/results/h100-2026-11-23-carry-t.md). Shapes with few programs keep their tiles.
+    carry_warps = 4 if BK <= 128 or dtype != torch.float32 else 8
+    if BK > 128 and dtype != torch.float32 and segments == 1 and carry_v == 64 and V > 64:
+        carry_v, carry_warps = 128, 8
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
     # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
@@ -269,11 +281,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         dqkg=dqkg_tile(BK, BV, vector_gate, warps, stages, dtype != torch.float32),
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
         local=local,
-        # 4 warps for 16-bit inputs: at (8, 2048, 4, 256, 512), vector gate, H100, the three carries
-        # of fwd+bwd took 677 against 744 us with 8 (forward alone 0.386 against 0.426 ms), though
-        # the [256, BV] state spills; fp32 at K = 256 keeps 8 (untimed; twice the operand bytes)
-        carry=TileConfig(block_v=carry_v, num_warps=4 if BK <= 128 or dtype != torch.float32 else 8,
-                         num_stages=stages),
+        carry=TileConfig(block_v=carry_v, num_warps=carry_warps, num_stages=stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
         segments=segments,
     )

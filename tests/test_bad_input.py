@@ -368,7 +368,10 @@ def run_kernels(inputs, reverse=False, scale=0.25, schedule=None):
 # diagonal by v_j, so a non-finite v_j reaches the steps before j in its chunk (0 * inf = NaN). The
 # split schedule's output kernel redoes such chunks exactly (one reduction per program). In the scans
 # a second pass after a non-finite final state fixed it, but changed their sm_90 code on finite inputs
-# (registers, spills; in the carry even a reduction of the final state did), so they do without.
+# (registers, spills; in the carry even a reduction of the final state did), so they do without. Redoing
+# a chunk whose A v is not finite (gla_chunk_output's fix, in the loop) passed these cases under the
+# interpreter, but on the H100 (Triton 3.6) the carry's forward with value tiles of 128 and 8 warps
+# then raced: o off by 6% in norm, varying run to run (benchmarks/results/h100-2026-11-23-carry-t.md).
 _V_LEAK = ("gla_chunk_scan's and gla_chunk_carry's in-chunk A @ v multiplies the zeros above A's diagonal "
            "by v_j: a non-finite v_j reaches the steps before j in its chunk (0 * inf = NaN)")
 

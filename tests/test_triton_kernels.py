@@ -336,6 +336,47 @@ def test_carry_segments_only_where_the_carries_leave_sms_idle():
     assert segments(1, 1, 64, 7, sms=132) == 1  # too few chunks to cut
 
 
+def test_carry_tiles_and_schedule_by_head_size():
+    """default_config's measured choices (benchmarks/results/h100-2026-11-23-carry-t.md): value tiles of
+    128 with 8 warps for the carries of 16-bit inputs at K > 128, 64 with 4 warps below (fp32 keeps 64
+    with 8 warps at K = 256); the local schedule for vector gates from K = 64, other gates from K > 128."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+
+    def config(K, V, dtype=bf16, vector=True):
+        return triton_chunk.default_config(8, 2048, 4, K, V, dtype, vector, cpu)
+
+    assert (config(256, 512).carry.block_v, config(256, 512).carry.num_warps) == (128, 8)
+    assert (config(256, 512, torch.float32).carry.block_v, config(256, 512, torch.float32).carry.num_warps) == (64, 8)
+    assert (config(256, 64).carry.block_v, config(256, 64).carry.num_warps) == (64, 4)
+    assert (config(128, 128).carry.block_v, config(128, 128).carry.num_warps) == (64, 4)
+    assert config(64, 64).local and not config(32, 64).local
+    assert not config(128, 128, vector=False).local and config(256, 512, vector=False).local
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the tiles' warps matter only compiled")
+def test_wide_carry_tiles_match_narrow_ones_on_gpu():
+    """The carries with value tiles of 128 and 8 warps (K > 128) give the results of tiles of 64 with
+    4 warps (on the H100: bit for bit), forward and backward, run after run: with Triton 3.6 an
+    in-loop reduction once made the wide forward race (o off by 6% in norm, varying run to run)."""
+    torch.manual_seed(0)
+    B, T, H, K, V = 2, 512, 2, 256, 256
+    q, k = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    g = (F.logsigmoid(torch.randn(B, T, H, K, device="cuda")) / 16).to(torch.bfloat16)
+    base = triton_chunk.default_config(B, T, H, K, V, q.dtype, True, q.device)
+    outs = []
+    for bv, warps in ((64, 4), (128, 8), (128, 8)):
+        cfg = dataclasses.replace(base, local=True, segments=1,
+                                  carry=dataclasses.replace(base.carry, block_v=bv, num_warps=warps))
+        o = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, K ** -0.5, False, False, config=cfg)[0]
+        grads = triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, do, None, K ** -0.5, False, config=cfg)[:4]
+        outs.append([o, *grads])
+    for other in outs[1:]:
+        for name, a, b in zip(["o", "dq", "dk", "dv", "dg"], other, outs[0]):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert err < 1e-3, f"{name}: relative error {err:.1e}"
+
+
 def test_supports_reports_limits():
     q = torch.randn(1, 4, 2, 16, device=DEVICE)
     assert triton_chunk.triton_supports(q, q, q) is None
