@@ -43,13 +43,17 @@ from .templates.standalone import OUT, render
 __all__ = [
     "ChunkConfig",
     "TileConfig",
+    "carry_options",
     "chunk_bwd_triton",
     "chunk_fwd_triton",
     "chunk_grid",
     "default_config",
     "dqkg_block_k",
     "kernel_options",
+    "local_options",
+    "local_terms",
     "scan_grid",
+    "scan_options",
     "triton_supports",
 ]
 
@@ -185,6 +189,21 @@ def local_preload(BK: int, BKS: int) -> bool:
     kernel has more than 128 either way and the overlap wins: H100, (8, 2048, 4, 256, 512), forward
     0.372 -> 0.359 ms (CUDA graph; benchmarks/results/h100-2026-11-23-segments.md)."""
     return BKS < BK
+
+
+def scan_options(options: dict, *, write_out: bool, dual: bool, store_states: bool, use_h0: bool,
+                 store_ht: bool) -> dict:
+    """gla_chunk_scan's mode options (see its template) on top of the shared ``options``."""
+    return dict(options, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states, USE_H0=use_h0,
+                STORE_HT=store_ht)
+
+
+def carry_options(options: dict, *, dual: bool, segments: int, segment_sums: bool = False, **mode) -> dict:
+    """gla_chunk_carry's options: the scan's modes (``mode``: write_out, store_states, use_h0,
+    store_ht), its segments, and SEGMENT_SUMS, which takes none of the modes."""
+    if segment_sums:
+        mode = dict(write_out=False, store_states=False, use_h0=False, store_ht=False)
+    return dict(scan_options(options, dual=dual, **mode), SEGMENTS=segments, SEGMENT_SUMS=segment_sums)
 
 
 def local_options(options: dict, transpose: bool) -> dict:
@@ -416,8 +435,8 @@ class _Launcher:
             raise ValueError(f"gla_inductor: {tiles} for a vector gate with K = {self.K} is known to fault on the "
                              "GPU (triton 3.6); use at least 8 warps")
         store_ht = ht is not None and ht.numel() > 0
-        options = dict(self.options, BV=tiles.block_v, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
-                       USE_H0=h0 is not None, STORE_HT=store_ht)
+        options = dict(scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                                    use_h0=h0 is not None, store_ht=store_ht), BV=tiles.block_v)
         tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None)
         _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
 
@@ -439,8 +458,8 @@ class _Launcher:
         tiles = self.cfg.carry
         store_ht = ht is not None and ht.numel() > 0
         hs, ds = self.segment_sums(y, v, dl, dual, segments) if segments > 1 else (None, None)
-        options = dict(self.options, BV=tiles.block_v, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
-                       USE_H0=h0 is not None, STORE_HT=store_ht, SEGMENTS=segments, SEGMENT_SUMS=False)
+        options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments), BV=tiles.block_v)
         tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None)
         grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
@@ -453,8 +472,7 @@ class _Launcher:
         hs = torch.empty(self.B, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         ds = None if dl is None else torch.empty(self.B, segments, *dl.shape[2:], dtype=torch.float32,
                                                   device=self.device)
-        options = dict(self.options, BV=tiles.block_v, WRITE_OUT=False, DUAL=dual, STORE_STATES=False, USE_H0=False,
-                       STORE_HT=False, SEGMENTS=segments, SEGMENT_SUMS=True)
+        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True), BV=tiles.block_v)
         grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds), hs, grid, tiles)
         return hs, ds

@@ -33,8 +33,8 @@ from torch.utils._sympy.functions import CeilDiv
 from ..cuda_dispatch import _unsupported, gate_kind
 from ..gates import GateFn
 from ..templates.standalone import OUT, load_template, render_source
-from ..triton_chunk import (ChunkConfig, TileConfig, default_config, dqkg_block_k, faulting_tile, kernel_options,
-                            local_options, local_terms)
+from ..triton_chunk import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
+                            kernel_options, local_options, local_terms, scan_options)
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -225,8 +225,8 @@ class _Plan:
     def scan(self, layout, tiles: TileConfig, *, write_out: bool, dual: bool, store_states: bool, **tensors):
         """gla_chunk_scan (see its template): returns the main output; ``h`` and ``ht`` are written."""
         tensors = {n: t for n, t in {**tensors, **self.gates}.items() if t is not None}
-        options = dict(self.options, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
-                       USE_H0="h0" in tensors, STORE_HT="ht" in tensors)
+        options = scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                               use_h0="h0" in tensors, store_ht="ht" in tensors)
         return self._select(SCAN, options, tensors, layout, [self.B * self.H, self.V],
                             [dict(BV=t.block_v, tiles=t)
                              for t in _tile_choices(tiles, int(self.V), self.options["BK"], self.options["USE_GK"])])
@@ -251,8 +251,8 @@ class _Plan:
         if segments > 1:
             hs, ds = self.segment_sums(tensors["y"], tensors["v"], tensors.get("dl"), dual, segments)
             tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
-        options = dict(self.options, WRITE_OUT=write_out, DUAL=dual, STORE_STATES=store_states,
-                       USE_H0="h0" in tensors, STORE_HT="ht" in tensors, SEGMENTS=segments, SEGMENT_SUMS=False)
+        options = carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                                use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments)
         tiles = self.cfg.carry
         return self._select(CARRY, options, tensors, layout, [self.B * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
@@ -263,8 +263,7 @@ class _Plan:
         B, H = self.B, self.H
         ds = None if dl is None else _empty((B, segments, *dl.get_size()[2:]), torch.float32, self.device)
         tensors = {n: t for n, t in dict(y=y, v=v, dl=dl, ds=ds).items() if t is not None}
-        options = dict(self.options, WRITE_OUT=False, DUAL=dual, STORE_STATES=False, USE_H0=False, STORE_HT=False,
-                       SEGMENTS=segments, SEGMENT_SUMS=True)
+        options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True)
         tiles = self.cfg.carry
         layout = _layout(self.device, torch.float32, (B, segments, H, self.K, self.V))
         hs = self._select(CARRY, options, tensors, layout, [B * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
