@@ -157,8 +157,9 @@ def local_schedule(BK: int, vector_gate: bool) -> bool:
     (0.367 against 0.435 ms at (8, 2048, 16, 128, 128), 0.48 against 1.04 ms at K = 256, V = 512),
     for the others at K = 256 only (0.39 against 1.36 ms; at K = 128 the fused scan's 0.197 ms beat
     0.243, and 0.185 beat 0.238 after the carries' segments and transposed state). Vector gates at
-    K = 64 too since the carries' segments: at (8, 1024, 8, 64, 64), forward 0.058 against 0.103 ms,
-    backward 0.183 against 0.247 (CUDA graphs, benchmarks/results/h100-2026-11-23-carry-t.md).
+    K = 64 too since the carries' segments: at (8, 1024, 8, 64, 64), forward 0.058 against the fused
+    scan's 0.095-0.105 ms, backward 0.183 against 0.247 (CUDA graphs,
+    benchmarks/results/h100-2026-11-23-carry-t.md).
     Smaller keys keep the fused scan (not measured)."""
     return BK >= 64 if vector_gate else BK > 128
 
