@@ -27,7 +27,7 @@ def main():
     import torch
 
     from gla_inductor import triton_chunk
-    from gpu_schedule import sweep_inputs
+    from gpu_schedule import rel_err, sweep_inputs
 
     print("gla_inductor from", os.path.dirname(triton_chunk.__file__))
     B, T, H, K, V = map(int, args.shape.split(","))
@@ -36,7 +36,7 @@ def main():
     base = triton_chunk.default_config(B, T, H, K, V, q.dtype, True, q.device)
     names = ["o", "dq", "dk", "dv", "dg"]
     ref = None
-    print(f"| BV:warps:stages | run | " + " | ".join(f"{n} rel err" for n in names) + " |")
+    print("| BV:warps:stages | run | " + " | ".join(f"{n} rel err" for n in names) + " |")
     print("|---" * (len(names) + 2) + "|")
     for spec in args.configs.split(","):
         bv, warps, stages = map(int, spec.split(":"))
@@ -47,7 +47,7 @@ def main():
             grads = triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, do, None, K ** -0.5, False, config=cfg)[:4]
             out = [o, *grads]
             ref = ref or [t.float().clone() for t in out]
-            errs = [((a.float() - b).norm() / b.norm()).item() for a, b in zip(out, ref)]
+            errs = [rel_err(a, b) for a, b in zip(out, ref)]
             print(f"| {spec} | {run} | " + " | ".join(f"{e:.1e}" for e in errs) + " |", flush=True)
 
 

@@ -15,7 +15,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from gla_inductor.triton_chunk import chunk_bwd_triton, chunk_fwd_triton, default_config
-from gpu_schedule import sweep_inputs
+from gpu_schedule import rel_err, save_rows, sweep_inputs
 
 
 def main():
@@ -60,7 +60,7 @@ def main():
             continue
         if ref is None:
             ref = out
-        err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+        err = max(rel_err(a, b) for a, b in zip(out, ref))
         try:
             row = dict(segments=segments, carry_v=carry_v, warps=warps, stages=st, fwd_ms=do_bench_cudagraph(fwd, rep=50),
                        bwd_ms=do_bench_cudagraph(bwd, rep=50), max_rel_err_vs_first=err)
@@ -70,10 +70,8 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=[B, T, H, K, V], gate=args.gate,
-                    default_segments=base.segments, default_carry_v=base.carry.block_v, block_t=base.block_t)
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save_rows(args.out, rows, shape=[B, T, H, K, V], gate=args.gate, default_segments=base.segments,
+                  default_carry_v=base.carry.block_v, block_t=base.block_t)
     print(f"| segments ({args.gate}, {args.shape}, BT {base.block_t}, local {args.local_warps} warps) | carry BV "
           "| warps | stages | fwd ms | bwd ms |")
     print("|---|---|---|---|---|---|")

@@ -19,7 +19,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from gla_inductor import triton_chunk
-from gpu_schedule import sweep_inputs
+from gpu_schedule import rel_err, save_rows, sweep_inputs
 
 
 def main():
@@ -52,15 +52,13 @@ def main():
 
         out = (fwd(), *bwd()[:4])
         ref = ref or out
-        err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+        err = max(rel_err(a, b) for a, b in zip(out, ref))
         row = dict(bks=bks, bkp=bkp, preload=preload, warps=cfg.local_tile.num_warps, fwd_ms=do_bench_cudagraph(fwd, rep=50), bwd_ms=do_bench_cudagraph(bwd, rep=50),
                    max_rel_err_vs_first=err)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=[B, T, H, K, V])
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save_rows(args.out, rows, shape=[B, T, H, K, V])
     print(f"| BKS:BKP ({args.shape}) | local warps | fwd ms | bwd ms |")
     print("|---|---|---|---|")
     for r in rows:

@@ -26,6 +26,18 @@ def sweep_inputs(B: int, T: int, H: int, K: int, V: int, gate: str):
     return q, k, v, g
 
 
+def rel_err(got, want) -> float:
+    """||got - want|| / ||want|| in fp32: how far a config's output is from the reference config's."""
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def save_rows(path: str, rows: list, **meta) -> None:
+    """The sweeps' JSON: meta (with the GPU and torch version) and one row per config."""
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, **meta)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8,2048,16,128,128")
@@ -77,16 +89,14 @@ def main():
             def fwd():
                 return chunk_fwd_triton(q, k, v, g, None, None, K ** -0.5, False, False, config=cfg)[0]
 
-            err = ((fwd().float() - ref).norm() / ref.norm()).item()
+            err = rel_err(fwd(), ref)
             ms = do_bench(fwd, warmup=10, rep=50, return_mode="median")
             rows.append(dict(config=name, ms=ms, rel_err_vs_default=err))
         except Exception as e:  # a config that does not compile (registers, shared memory)
             rows.append(dict(config=name, ms=float("nan"), error=repr(e)[:200]))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=[B, T, H, K, V], gate=args.gate)
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save_rows(args.out, rows, shape=[B, T, H, K, V], gate=args.gate)
     print(f"| config ({args.gate}, {B},{T},{H},{K},{V}) | fwd ms |")
     print("|---|---|")
     for r in sorted(rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9):

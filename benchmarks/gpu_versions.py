@@ -51,6 +51,8 @@ def run_version(folder: str, cases: list[str], tag: str) -> list[dict]:
 def main():
     import torch
 
+    from gpu_schedule import rel_err
+
     p = argparse.ArgumentParser()
     p.add_argument("--versions", required=True, help="name=folder,...")
     p.add_argument("--cases", default=CASES, help="B,T,H,K,V:gate, comma-separated after each gate")
@@ -77,7 +79,7 @@ def main():
         for i in range(len(cases)):
             a = torch.load(f"/tmp/gpu_versions/{name}.{i}.pt")
             b = torch.load(f"/tmp/gpu_versions/{first}.{i}.pt")
-            errs[(name, i)] = max(((x.float() - y.float()).norm() / y.float().norm()).item() for x, y in zip(a, b))
+            errs[(name, i)] = max(rel_err(x, y) for x, y in zip(a, b))
     best = {name: [{k: min(rr[i][k] for rr in results[name]) for k in ("fwd_ms", "bwd_ms")}
                    for i in range(len(cases))] for name, _ in versions}
     if args.out:
