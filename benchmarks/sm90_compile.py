@@ -1,4 +1,5 @@
-"""Compile a GLA kernel for sm_90 without a GPU and report registers and spills (ptxas -v).
+"""Compile a GLA kernel for sm_90 without a GPU and report registers, spills and ptxas's warning when
+it serializes the tensor-core (wgmma) instructions (ptxas -v).
 
     python benchmarks/sm90_compile.py carry --gate vector --bv 64 --warps 4 [--dump DIR]
 
@@ -131,7 +132,7 @@ def main():
                          capture_output=True, text=True)
     print(f"compiled in {compile_s:.2f} s (triton.compile, this CPU); "
           f"shared memory {compiled.metadata.shared} bytes (sm_90 limit 232448)")
-    print("\n".join(l for l in res.stderr.splitlines() if "Used" in l or "spill" in l))
+    print("\n".join(l for l in res.stderr.splitlines() if "Used" in l or "spill" in l or "wgmma" in l.lower()))
     if args.dump:
         out = Path(args.dump)
         out.mkdir(parents=True, exist_ok=True)

@@ -137,6 +137,30 @@ def test_local_schedule_runs_its_templates(gate, monkeypatch):
         assert _rel(t.grad, x64[name].grad) < 1e-4, name
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_local_schedule_nonfinite_values_propagate_like_the_loop(value, monkeypatch):
+    """A non-finite value in the compiled local schedule: o is non-finite from its step on in its
+    column, as in the time loop, and finite (and exact) before it, in its chunk too (the carry's
+    CHECK); NaN exactly where the loop's is for a NaN."""
+    monkeypatch.setattr(triton_chunk, "local_schedule", lambda BK, vector_gate: True)
+    x = {n: t.detach() for n, t in _inputs(1, 100, 2, 16, 24, "vector", h0=False).items()}
+    x["v"][0, 80, 1, 5] = value  # in the second chunk of 64 steps
+
+    @torch.compile(fullgraph=True)
+    def fwd(x):
+        return gla_inductor.chunk_gla(**x, output_final_state=True)
+
+    (o, ht), (code,) = run_and_get_code(fwd, x)
+    assert code.count(CARRY_KERNEL) == 1 and not EXTERN_CALL.search(code)
+    o64, ht64 = naive_recurrent_gla(**{n: t.double() for n, t in x.items()}, output_final_state=True)
+    for got, want in ((o, o64), (ht, ht64)):
+        bad = ~torch.isfinite(want)
+        assert bad.any() and torch.equal(~torch.isfinite(got), bad)
+        if value != value:
+            assert torch.equal(got.isnan(), want.isnan())
+        assert _rel(got[~bad], want[~bad]) < 1e-5
+
+
 @pytest.mark.parametrize("gate", ["vector", "scalar", "none"])
 def test_carries_in_segments(gate, monkeypatch):
     """Carries cut into segments (chosen on a GPU for long sequences with few heads; forced here):
