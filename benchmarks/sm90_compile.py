@@ -38,6 +38,10 @@ MODES = {  # template, extra options, main output (rank, dtype)
              (4, "bf16")),
     "carry": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, USE_H0=False, STORE_HT=True,
                                       SEGMENTS=1, SEGMENT_SUMS=False), (4, "bf16")),
+    "carry_dual": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=True, STORE_STATES=True, USE_H0=False,
+                                           STORE_HT=False, SEGMENTS=1, SEGMENT_SUMS=False), (4, "bf16")),
+    "carry_states": ("gla_chunk_carry", dict(WRITE_OUT=False, DUAL=False, STORE_STATES=True, USE_H0=False,
+                                             STORE_HT=False, SEGMENTS=1, SEGMENT_SUMS=False), (5, "bf16")),
     "local": ("gla_chunk_local", dict(TRANSPOSE=False), (4, "bf16")),
     "local_t": ("gla_chunk_local", dict(TRANSPOSE=True), (4, "bf16")),
     "dqkg": ("gla_chunk_bwd_dqkg", dict(), (4, "bf16")),  # BK: the dqkg tile's block_k
