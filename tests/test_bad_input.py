@@ -370,9 +370,10 @@ def run_kernels(inputs, reverse=False, scale=0.25, schedule=None):
 # non-finite v_j reaches the steps before j in its chunk (0 * inf = NaN). The split schedule's output
 # kernel redoes such chunks exactly (one reduction per program), and gla_chunk_carry (the local
 # schedule) takes the values with the non-finite ones zeroed and sets the steps they feed to NaN,
-# counted by a dot with the causal ones. In the fused scan that fix cost 15-52% of the forward on the
-# H100 (its loop already holds 255 registers and spills; the zeroed values go through shared memory
-# there): benchmarks/results/h100-2026-11-23-nonfinite.md.
+# counted by a dot with the causal ones. In the fused scan that fix, and another finding the fed steps
+# by a min over them, cost 15-65% of the forward on the H100 (its loop already holds 255 registers and
+# spills; the zeroed values go through shared memory there, one more round trip on the sequential
+# path per chunk): benchmarks/results/h100-2026-11-23-nonfinite.md.
 _V_LEAK = ("gla_chunk_scan's in-chunk A @ v multiplies the zeros above A's diagonal by v_j: a non-finite v_j "
            "reaches the steps before j in its chunk (0 * inf = NaN)")
 
