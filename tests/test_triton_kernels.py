@@ -404,3 +404,26 @@ def test_standalone_render_is_cached_and_specializes_head_sizes():
     assert sizes == ["q_size_1", "v_size_2", "q_size_3", "v_size_3"]  # T, H (v's: q, k may be grouped), K, V
     assert "do_not_specialize=['q_size_1'])" in kernel.source
     assert "{{" not in kernel.source and "{%" not in kernel.source
+
+
+
+def test_specialization_key_is_as_fine_as_tritons():
+    """Eager launches reuse a compiled kernel (StandaloneKernel.compiled) where their
+    specialization_key is equal: it must tell apart every two arguments Triton's own specialization
+    tells apart (ints: 1, divisibility by 16, width; tensors: dtype, 16-byte alignment)."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        pytest.skip("this triton has no native_specialize_impl")
+    base = torch.empty(64, dtype=torch.float32)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**40, -2**31, -2**31 - 16, 2**63, True, 0.5,
+              base, base[1:], base[4:], base.to(torch.bfloat16), base.to(torch.bfloat16)[1:], base.to(torch.bfloat16)[8:]]
+    checked = 0
+    for a in values:
+        for b in values:
+            if native_specialize_impl(BaseBackend, a, False, True, True) != native_specialize_impl(
+                    BaseBackend, b, False, True, True):
+                assert standalone.specialization_key([a]) != standalone.specialization_key([b]), (a, b)
+                checked += 1
+    assert checked > 300

@@ -26,14 +26,14 @@ import hashlib
 import importlib.util
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import jinja2
 import torch
 
-__all__ = ["OUT", "ScalarArg", "StandaloneKernel", "load_template", "render", "render_source"]
+__all__ = ["OUT", "ScalarArg", "StandaloneKernel", "load_template", "render", "render_source", "specialization_key"]
 
 TEMPLATE_DIR = Path(__file__).parent
 OUT = "out_ptr0"  # the main output's argument name, as in Inductor's generated kernels
@@ -134,6 +134,18 @@ def render_source(
     return body.replace(_DEF_KERNEL, helpers.header(kernel_name, defines), 1), helpers
 
 
+def specialization_key(args: Sequence[Any]) -> tuple:
+    """What Triton specializes a launch's compiled kernel on, per argument, or finer: a tensor's dtype
+    and 16-byte alignment, an int's equality to 1, divisibility by 16 and width (i32, i64 or u64),
+    the type of anything else. Launches with equal keys can run the same compiled kernel."""
+    return tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+        else (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63) if type(a) is int
+        else type(a)
+        for a in args
+    )
+
+
 @dataclass(frozen=True)
 class StandaloneKernel:
     """A rendered kernel and the order in which it takes its arguments."""
@@ -142,6 +154,11 @@ class StandaloneKernel:
     pointers: tuple[str, ...]
     scalars: tuple[ScalarArg, ...]
     source: str
+    # compiled kernels by (warps, stages, current device, specialization_key): a launch whose key was seen
+    # runs its compiled kernel directly, without JITFunction.run's binding, specialization and cache
+    # lookup: about 30 us of host time less per launch on the H100 machine's host, where an eager
+    # forward's GPU work can be 60 us (benchmarks/results/h100-2026-11-23-launch.md)
+    compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, grid, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, *, num_warps: int,
                  num_stages: int) -> None:
@@ -152,7 +169,17 @@ class StandaloneKernel:
         # ~8 tensors, and its host time matters where the GPU work is short (eager calls)
         dims = {n: {"size": t.shape, "stride": t.stride()} for n, t in named.items()}
         args += [dims[s.tensor][s.kind][s.dim] for s in self.scalars]
-        self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        if out.device.type != "cuda":  # the interpreter
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return
+        # Triton keeps its compiled kernels per current device too
+        key = (num_warps, num_stages, torch.cuda.current_device(), specialization_key(args))
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            self.compiled[key] = kernel
+        else:
+            kernel[(*grid, 1, 1)[:3]](*args)  # the compiled kernel's launcher wants all three grid sizes
 
 
 def _kernel_dir() -> Path:
