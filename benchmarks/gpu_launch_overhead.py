@@ -10,25 +10,13 @@ through ``JITFunction.run`` as before the direct launches.
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import gla_inductor
 from gla_inductor.templates import standalone
+from gpu_host_profile import host_us
 from gpu_schedule import sweep_inputs
-
-
-def host_us(fn, calls: int) -> float:
-    """Host time per call over batches of 8 calls, each batch started on an idle GPU (median)."""
-    times = []
-    for _ in range(calls // 8):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(8):
-            fn()
-        times.append((time.perf_counter() - start) / 8 * 1e6)
-    return statistics.median(times)
 
 
 def main():
