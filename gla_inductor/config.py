@@ -31,6 +31,10 @@ triton_kernels: bool = True
 # the kernel tests on an H100 (torch 2.11, triton 3.6; benchmarks/results/h100-2026-11-22.md).
 triton_gates: tuple = ("vector", "scalar", "constant", "none")
 
+# Bytes of intermediates the CPU implementation may keep between calls, per thread
+# (gla_inductor/scratch.py says why); 0 allocates every one afresh.
+cpu_scratch_bytes: int = 64 * 2**20
+
 
 @contextlib.contextmanager
 def patch(**changes):

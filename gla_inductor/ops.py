@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import scratch
 from .gates import GateFn, gate_grads, log_gate
 
 __all__ = ["chunk_gla", "register_cuda_impl", "BT"]
@@ -119,6 +120,7 @@ def _to_chunks(
     strided: bool = False,
     exp: bool = False,
     scale: float = 1.0,
+    name: str = "",
 ) -> Tensor:
     """[B, T, H, D] -> contiguous [B, H, NT, BT, D] in dtype, time-flipped for reverse, zero-padded.
 
@@ -128,11 +130,15 @@ def _to_chunks(
     exp, exp(x) (padded with exp(0) = 1), strided (exp's vectorized kernel wants the input's own
     layout: exp of a transposing view took 3x longer than the copy and an exp after it). With
     scale, scale * x, in the copy's pass where x is already in dtype (else rounded in x's dtype).
+    A copy goes to ``scratch``'s buffer of that name when named.
     """
     B, T, H, D = x.shape
     if (strided or exp) and not reverse and T == NT * BT and x.dtype == dtype:
-        return (x.exp() if exp else x).unflatten(1, (NT, BT)).permute(0, 3, 1, 2, 4)
-    chunks = x.new_empty(B, H, NT * BT, D, dtype=dtype)
+        if exp:
+            x = torch.exp(x, out=scratch.like(name, x) if name else None)
+        return x.unflatten(1, (NT, BT)).permute(0, 3, 1, 2, 4)
+    shape = (B, H, NT * BT, D)
+    chunks = scratch.empty(name, shape, dtype, x.device) if name else x.new_empty(shape, dtype=dtype)
     src = (x.flip(1) if reverse else x).transpose(1, 2)
     if scale != 1.0 and x.dtype == dtype:
         torch.mul(src, scale, out=chunks[:, :, :T])
@@ -145,11 +151,12 @@ def _to_chunks(
 
 
 def _from_chunks(x: Tensor, T: int, reverse: bool, dtype: torch.dtype) -> Tensor:
-    """Inverse of ``_to_chunks``; always a fresh contiguous tensor (custom-op outputs may not alias)."""
+    """Inverse of ``_to_chunks``; always a fresh contiguous tensor (custom-op outputs may not alias
+    each other, nor ``scratch``'s buffers, which x may be)."""
     x = x.flatten(2, 3)[:, :, :T].transpose(1, 2)
     if reverse:
         x = x.flip(1)
-    return x.to(dtype).contiguous()
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
 
 
 def _log_gate(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> Optional[Tensor]:
@@ -189,20 +196,20 @@ def _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=(), log_vector
     NT = -(-T // BT)
     vector = g is not None and g.dim() == 4
 
-    def chunks(x, name="", exp=False):
-        return _to_chunks(x, NT, reverse, dtype, strided=vector and name in strided, exp=exp)
+    def chunks(x, name, exp=False):
+        return _to_chunks(x, NT, reverse, dtype, strided=vector and name in strided, exp=exp, name=name)
 
     if initial_state is None:
-        h0 = q.new_zeros(B, H, K, V, dtype=dtype)
+        h0 = scratch.empty("h0", (B, H, K, V), dtype, q.device).zero_()
     else:
         h0 = initial_state.to(dtype)
     log_gate = None if vector else _log_gate(q, g, g_gamma)
     return _Chunked(
         chunks(q, "q"),
         chunks(k, "k"),
-        chunks(v),
-        None if log_gate is None else chunks(log_gate),
-        chunks(g, exp=True) if vector and not log_vector else None,
+        chunks(v, "v"),
+        None if log_gate is None else chunks(log_gate, "g"),
+        chunks(g, "g", exp=True) if vector and not log_vector else None,
         h0,
         chunks(g, "g") if vector and log_vector else None,
     )
@@ -290,7 +297,7 @@ def _pair_decay(g: Tensor) -> tuple[Tensor, _Decays]:
     non-finite factor: products with D are masked again by ``tril_``, which writes zeros.
     """
     e = g.exp()
-    D = e.new_zeros(*e.shape[:-1], BT)
+    D = scratch.empty("D", (*e.shape[:-1], BT), e.dtype, e.device).zero_()
     D.diagonal(dim1=-2, dim2=-1).fill_(1)
     right, left, total = e.clone(), torch.ones_like(e), e
     for s in _levels():
@@ -332,9 +339,15 @@ def _cross_blocks(A: Tensor, s: int) -> Tensor:
     return A.as_strided(size, stride, A.storage_offset() + s * sr)
 
 
-def _bmm(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b for operands of one batch shape, as one bmm (matmul's batch folding takes ~10 ops)."""
-    return torch.bmm(a.flatten(0, -3), b.flatten(0, -3)).view(*a.shape[:-1], b.shape[-1])
+def _bmm(a: Tensor, b: Tensor, out: str = "") -> Tensor:
+    """a @ b for operands of one batch shape, as one bmm (matmul's batch folding takes ~10 ops);
+    into ``scratch``'s buffer of that name with out."""
+    shape = (*a.shape[:-1], b.shape[-1])
+    if not out:
+        return torch.bmm(a.flatten(0, -3), b.flatten(0, -3)).view(shape)
+    c = scratch.empty(out, shape, torch.promote_types(a.dtype, b.dtype), a.device)
+    torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out=_batched(c))
+    return c
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
@@ -351,9 +364,11 @@ def _scores(qs: Tensor, ks: Tensor) -> Tensor:
     return _bmm(qs, ks.mT)
 
 
-def _diag_scores(q: Tensor, k: Tensor) -> Tensor:
-    """[..., BT, BT] zeros but for A[i, i] = q[i] . k[i]: the empty span, no decay."""
-    A = q.new_zeros(*q.shape[:-1], BT)
+def _diag_scores(q: Tensor, k: Tensor, out: str = "") -> Tensor:
+    """[..., BT, BT] zeros but for A[i, i] = q[i] . k[i]: the empty span, no decay; ``scratch``'s
+    buffer of that name with out."""
+    shape = (*q.shape[:-1], BT)
+    A = (scratch.empty(out, shape, q.dtype, q.device) if out else q.new_empty(shape)).zero_()
     A.diagonal(dim1=-2, dim2=-1).copy_(torch.linalg.vecdot(q, k))
     return A
 
@@ -372,9 +387,11 @@ def _intra(q: Tensor, k: Tensor, g: Optional[Tensor], e: Optional[Tensor]) -> _I
             total = _scan_step(total, qs, ks)
         return _Intra(A, qg, kg, total)
     if g is None:
-        return _Intra(_bmm(q, k.mT).tril_(), q, k, None)
+        return _Intra(_bmm(q, k.mT, out="A").tril_(), q, k, None)
     D, decays = _pair_decay(g)
-    return _Intra(_bmm(q, k.mT).mul_(D).tril_(), q * decays.qd, k * decays.kd, decays.total)
+    qg = torch.mul(q, decays.qd, out=scratch.like("qg", q))
+    kg = torch.mul(k, decays.kd, out=scratch.like("kg", k))
+    return _Intra(_bmm(q, k.mT, out="A").mul_(D).tril_(), qg, kg, decays.total)
 
 
 # NOTE:[GLA anchored fast path] With a vector gate the forward takes a shortcut on every chunk whose
@@ -393,7 +410,8 @@ def _intra(q: Tensor, k: Tensor, g: Optional[Tensor], e: Optional[Tensor]) -> _I
 # (``_anchor_factors``): x[i] = X[b] + y[i] for step i of block b of _BLOCK steps, y[i] the gates
 # from the block's start through i (fp32 partial sums) and X[b] the log decay from the anchor to
 # the block's start, summed in fp64 from the blocks' totals (the y at their ends), and exp(x) =
-# exp(y) exp(X), each rounded once. A pair's decay then carries only the roundings of the partial
+# exp(y) exp(X), each rounded once. Both are kept in log2 units, every gate times log2(e) rounded
+# once, for exp2. A pair's decay then carries only the roundings of the gates and of the partial
 # sums along its own span, of at most _BLOCK steps' gates each, an error that grows with the
 # span as the split's does (test_anchor_factors_round_like_spans). Only a gate far larger than
 # its neighbours costs up to an ulp of itself on the pairs after it in its block.
@@ -411,18 +429,21 @@ def _intra(q: Tensor, k: Tensor, g: Optional[Tensor], e: Optional[Tensor]) -> _I
 _ANCHOR = BT // 2 - 1  # x sums at most BT / 2 steps on either side of it; it ends a block
 _ANCHOR_RANGE = 60.0  # bound on |x| and |ga|: exp(+-60) ~ 1e+-26, far inside fp32's range
 _BLOCK = 4  # steps per block of y: |y| stays within 4 steps' gates
+_LOG2_E = 1 / math.log(2)
 
 
 def _anchor_factors(log_g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """exp(x) [..., BT, K] and exp(ga) [..., 1, K] of every chunk of log gates, and [...] whether
     the chunk is in the anchor's range (NOTE:[GLA anchored fast path]). log_g is not written."""
     n = BT // _BLOCK
-    y = log_g.unflatten(-2, (n, _BLOCK)).clone(memory_format=torch.contiguous_format)
+    blocks = log_g.unflatten(-2, (n, _BLOCK))
+    # in log2 units: exp2 took a third of exp's time on CPU (AVX-512, torch 2.13)
+    y = torch.mul(blocks, _LOG2_E, out=scratch.empty("decays", tuple(blocks.shape), blocks.dtype, blocks.device))
     for s in range(1, _BLOCK):  # a few adds in place: cumsum over so short a dim takes ~2x as long
         y[..., s, :].add_(y[..., s - 1, :])
     # X of every block and ga, from the blocks' totals (y at their ends) in fp64
-    e_X = torch.matmul(_block_sums(y.device), y[..., -1, :].double()).exp_().to(y.dtype)
-    e_y = y.exp_()
+    e_X = torch.matmul(_block_sums(y.device), y[..., -1, :].double()).exp2_().to(y.dtype)
+    e_y = y.exp2_()
     normal = e_y.amin((-3, -2, -1)) >= torch.finfo(e_y.dtype).tiny
     e = e_y.mul_(e_X[..., :n, None, :]).flatten(-3, -2)
     from_start = e_X[..., n:, :]
@@ -448,19 +469,14 @@ def _in_range(e: Tensor) -> Tensor:
     return (e.amax((-2, -1)) <= bound) & (e.amin((-2, -1)) >= 1 / bound)
 
 
-def _empty_transposed(x: Tensor) -> Tensor:
-    """An empty tensor shaped like x whose last two dims are stored transposed (its .mT is contiguous)."""
-    return x.new_empty(*x.shape[:-2], x.shape[-1], x.shape[-2]).mT
-
-
 def _anchored_intra(q: Tensor, k: Tensor, e: Tensor, from_start: Tensor) -> _Intra:
     """``_intra`` through the anchor, given exp(x) and exp(ga) (``_anchor_factors``); e is taken over."""
     to_end = e[..., -1:, :].clone()  # exp(x[BT - 1])
-    # k exp(-x) stored transposed: the matmuls then read both their operands contiguous (measured:
-    # cheaper than bmm on a transposed right operand, though the division writes it strided)
-    ka = torch.div(k, e, out=_empty_transposed(e))
+    # k exp(-x) contiguous: bmm reads a transposed operand as fast as a contiguous one, where a
+    # transposed store took 8x as long as this division (torch 2.13, CPU)
+    ka = torch.div(k, e, out=scratch.like("kg", e))
     qa = e.mul_(q)  # q exp(x), contiguous for the matmul, in place of exp(x): one buffer less
-    A = _bmm(qa, ka.mT).tril_()
+    A = _bmm(qa, ka.mT, out="A").tril_()
     return _Intra(A, qa.mul_(from_start), ka.mul_(to_end), from_start * to_end)
 
 
@@ -512,19 +528,19 @@ def _intra_grads(q, k, g, e, dA) -> _IntraGrads:
     """
     if g is None and e is None:
         dA = dA.tril_()
-        fwd = _Intra(_bmm(q, k.mT).tril_(), q, k, None)
-        return _IntraGrads(fwd, None, _bmm(dA, k), _bmm(dA.mT, q), None, None)
+        fwd = _Intra(_bmm(q, k.mT, out="A").tril_(), q, k, None)
+        return _IntraGrads(fwd, None, _bmm(dA, k, out="dq"), _bmm(dA.mT, q, out="dk"), None, None)
     if e is None:
         return _pair_grads(q, k, g, dA)
-    A = _diag_scores(q, k)
+    A = _diag_scores(q, k, out="A")
     dA_ii = dA.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
     # the diagonal spans nothing: no dg; out= keeps dq, dk contiguous whatever q and k's strides
-    dq, dk = torch.mul(dA_ii, k, out=e.new_empty(e.shape)), torch.mul(dA_ii, q, out=e.new_empty(e.shape))
+    dq, dk = torch.mul(dA_ii, k, out=scratch.like("dq", e)), torch.mul(dA_ii, q, out=scratch.like("dk", e))
     # the scan carries the decays (for dq, dk) and q, k times them (the split's operands) at once
-    right, left = e.new_empty(2, *e.shape), e.new_empty(2, *e.shape)
+    right, left = (scratch.empty(name, (2, *e.shape), e.dtype, e.device) for name in ("right", "left"))
     torch.mul(q, e, out=right[0])
     right[1], left[0], left[1] = e, k, 1
-    level_grads = q.new_empty(len(_levels()), *e.shape)
+    level_grads = scratch.empty("level_grads", (len(_levels()), *e.shape), q.dtype, q.device)
     total = e
     for n, s in enumerate(_levels()):
         right_half, left_half = _half(right, s, True), _half(left, s, False)
@@ -547,14 +563,17 @@ def _intra_grads(q, k, g, e, dA) -> _IntraGrads:
 def _pair_grads(q, k, g, dA) -> _IntraGrads:
     """``_intra_grads`` for Kg == 1, through the [BT, BT] decay matrix."""
     D, decays = _pair_decay(g)
-    QK = _bmm(q, k.mT)
-    dAD = (dA * D).tril_()
-    M = dAD * QK
+    QK = _bmm(q, k.mT, out="A")
+    dAD = dA.mul_(D).tril_()  # dA is ours
     # exclusive cumsum by shifting, not by subtracting: M_ii is O(1), the sums it would hide are not
-    R = F.pad(M[..., :, :-1], (1, 0)).cumsum(-1)  # R[i, t] = sum_{j < t} M[i, j]
+    R = scratch.like("R", dAD)  # R[i, t] = sum_{j < t} M[i, j], M = dAD * QK
+    R[..., 0] = 0
+    torch.mul(dAD[..., :-1], QK[..., :-1], out=R[..., 1:]).cumsum_(-1)
     dg = R.tril_().sum(-2).unsqueeze(-1)  # then the sum over i >= t
-    fwd = _Intra(QK.mul_(D).tril_(), q * decays.qd, k * decays.kd, decays.total)
-    return _IntraGrads(fwd, decays, _bmm(dAD, k), _bmm(dAD.mT, q), dg, None)
+    qg = torch.mul(q, decays.qd, out=scratch.like("qg", q))
+    kg = torch.mul(k, decays.kd, out=scratch.like("kg", k))
+    fwd = _Intra(QK.mul_(D).tril_(), qg, kg, decays.total)
+    return _IntraGrads(fwd, decays, _bmm(dAD, k, out="dq"), _bmm(dAD.mT, q, out="dk"), dg, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -563,7 +582,7 @@ def _pair_grads(q, k, g, dA) -> _IntraGrads:
 
 
 def _state_scan(
-    update: Tensor, decay: Optional[Tensor], x: Tensor, reverse: bool = False
+    update: Tensor, decay: Optional[Tensor], x: Tensor, reverse: bool = False, out: str = ""
 ) -> tuple[Tensor, Tensor]:
     """x <- decay[n]^T * x + update[n] over the chunks n (downwards for reverse), from x = [B, H, K, V].
 
@@ -571,8 +590,9 @@ def _state_scan(
     [B, H, NT, K, V], and after the last. With update the keys decayed to the chunk end times v,
     that is the state entering every chunk and the final state; backwards, with scale * q decayed
     from the chunk start times do, the gradient w.r.t. the state leaving every chunk and dh0.
+    The states go to ``scratch``'s buffer of that name with out; the last is a fresh tensor.
     """
-    before = torch.empty_like(update)
+    before = scratch.like(out, update) if out else torch.empty_like(update)
     updates, states = update.unbind(2), before.unbind(2)
     decays = None if decay is None else decay.mT.unbind(2)  # [B, H, Kg, 1] each
     order = list(range(len(updates) - 1, -1, -1) if reverse else range(len(updates)))
@@ -626,8 +646,8 @@ def _add_intra_nonfinite(o: Tensor, A: Tensor, v: Tensor) -> None:
 def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
     x = _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=("q", "k", "g"), log_vector=True)
     intra = _intra(x.q, x.k, x.g, x.e) if x.log_g is None else _intra_vector(x.q, x.k, x.log_g)
-    h, ht = _state_scan(_bmm(intra.kg.mT, x.v), intra.decay, x.h0)
-    o = _bmm(intra.qg, h)
+    h, ht = _state_scan(_bmm(intra.kg.mT, x.v, out="update"), intra.decay, x.h0, out="h")
+    o = _bmm(intra.qg, h, out="o")
     # a non-finite k, v, gate or initial state always reaches the final state (see NOTE:[GLA
     # non-finite inputs]): this one small check keeps the finite path as it is. Its sum is
     # non-finite then too (and, harmlessly, when it overflows): cheaper than isfinite(ht).all()
@@ -645,23 +665,27 @@ def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_sta
 def _chunk_bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     x = _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=("q", "k"))
     T = q.shape[1]
-    b_do = _to_chunks(do, x.v.shape[2], reverse, x.v.dtype, scale=scale)  # do only ever enters times scale
+    # do only ever enters times scale
+    b_do = _to_chunks(do, x.v.shape[2], reverse, x.v.dtype, scale=scale, name="do")
     with_dg = x.g is not None or x.e is not None
-    intra = _intra_grads(x.q, x.k, x.g, x.e, _bmm(b_do, x.v.mT))
+    intra = _intra_grads(x.q, x.k, x.g, x.e, _bmm(b_do, x.v.mT, out="dA"))
     fwd, decays = intra.fwd, intra.decays
 
-    h, _ = _state_scan(_bmm(fwd.kg.mT, x.v), fwd.decay, x.h0)  # entering each chunk
+    h, _ = _state_scan(_bmm(fwd.kg.mT, x.v, out="update"), fwd.decay, x.h0, out="h")  # entering each chunk
     dht = torch.zeros_like(x.h0) if dht is None else dht
-    dh, dh0 = _state_scan(_bmm(fwd.qg.mT, b_do), fwd.decay, dht, reverse=True)  # leaving it
+    # leaving it
+    dh, dh0 = _state_scan(_bmm(fwd.qg.mT, b_do, out="dupdate"), fwd.decay, dht, reverse=True, out="dh")
 
-    dq_h = _bmm(b_do, h.mT)  # through the state entering the chunk, w.r.t. q * exp(gc)
-    dk_h = _bmm(x.v, dh.mT)  # through the state leaving it, w.r.t. k * exp(gr)
-    dv = _bmm(fwd.kg, dh)
+    dq_h = _bmm(b_do, h.mT, out="dq_h")  # through the state entering the chunk, w.r.t. q * exp(gc)
+    dk_h = _bmm(x.v, dh.mT, out="dk_h")  # through the state leaving it, w.r.t. k * exp(gr)
+    dv = _bmm(fwd.kg, dh, out="dv")
     _batched(dv).baddbmm_(_batched(fwd.A.mT), _batched(b_do))
     dgate = None
     if with_dg:
         # q dq^h and k dk^h, the gradients w.r.t. gc and gr, before dq^h and dk^h take the decays
-        dgate = _gate_grad(dq_h * fwd.qg, dk_h * fwd.kg, h, dh, intra)
+        d_gc = torch.mul(dq_h, fwd.qg, out=scratch.like("d_gc", dq_h))
+        d_gr = torch.mul(dk_h, fwd.kg, out=scratch.like("d_gr", dk_h))
+        dgate = _gate_grad(d_gc, d_gr, h, dh, intra)
         intra.dq.addcmul_(dq_h, decays.qd)
         intra.dk.addcmul_(dk_h, decays.kd)
     else:
