@@ -66,7 +66,6 @@ import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import scratch
@@ -345,7 +344,7 @@ def _bmm(a: Tensor, b: Tensor, out: str = "") -> Tensor:
     shape = (*a.shape[:-1], b.shape[-1])
     if not out:
         return torch.bmm(a.flatten(0, -3), b.flatten(0, -3)).view(shape)
-    c = scratch.empty(out, shape, torch.promote_types(a.dtype, b.dtype), a.device)
+    c = scratch.empty(out, shape, a.dtype, a.device)  # bmm takes operands of one dtype
     torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out=_batched(c))
     return c
 
@@ -564,7 +563,7 @@ def _pair_grads(q, k, g, dA) -> _IntraGrads:
     """``_intra_grads`` for Kg == 1, through the [BT, BT] decay matrix."""
     D, decays = _pair_decay(g)
     QK = _bmm(q, k.mT, out="A")
-    dAD = dA.mul_(D).tril_()  # dA is ours
+    dAD = dA.mul_(D).tril_()  # dA is the caller's scratch product, ours to overwrite
     # exclusive cumsum by shifting, not by subtracting: M_ii is O(1), the sums it would hide are not
     R = scratch.like("R", dAD)  # R[i, t] = sum_{j < t} M[i, j], M = dAD * QK
     R[..., 0] = 0
