@@ -129,15 +129,15 @@ def _to_chunks(
     exp, exp(x) (padded with exp(0) = 1), strided (exp's vectorized kernel wants the input's own
     layout: exp of a transposing view took 3x longer than the copy and an exp after it). With
     scale, scale * x, in the copy's pass where x is already in dtype (else rounded in x's dtype).
-    A copy goes to ``scratch``'s buffer of that name when named.
+    A copy goes to ``scratch``'s buffer of that name.
     """
     B, T, H, D = x.shape
     if (strided or exp) and not reverse and T == NT * BT and x.dtype == dtype:
-        if exp:
-            x = torch.exp(x, out=scratch.like(name, x) if name else None)
+        if exp:  # in x's own layout (above): a kept buffer only for a contiguous x
+            x = torch.exp(x, out=scratch.like(name, x)) if x.is_contiguous() else x.exp()
         return x.unflatten(1, (NT, BT)).permute(0, 3, 1, 2, 4)
     shape = (B, H, NT * BT, D)
-    chunks = scratch.empty(name, shape, dtype, x.device) if name else x.new_empty(shape, dtype=dtype)
+    chunks = scratch.empty(name, shape, dtype, x.device)
     src = (x.flip(1) if reverse else x).transpose(1, 2)
     if scale != 1.0 and x.dtype == dtype:
         torch.mul(src, scale, out=chunks[:, :, :T])
@@ -339,12 +339,9 @@ def _cross_blocks(A: Tensor, s: int) -> Tensor:
 
 
 def _bmm(a: Tensor, b: Tensor, out: str = "") -> Tensor:
-    """a @ b for operands of one batch shape, as one bmm (matmul's batch folding takes ~10 ops);
-    into ``scratch``'s buffer of that name with out."""
-    shape = (*a.shape[:-1], b.shape[-1])
-    if not out:
-        return torch.bmm(a.flatten(0, -3), b.flatten(0, -3)).view(shape)
-    c = scratch.empty(out, shape, a.dtype, a.device)  # bmm takes operands of one dtype
+    """a @ b for operands of one batch shape, as one bmm (matmul's batch folding takes ~10 ops),
+    into ``scratch``'s buffer out."""
+    c = scratch.empty(out, (*a.shape[:-1], b.shape[-1]), a.dtype, a.device)  # bmm takes one dtype
     torch.bmm(a.flatten(0, -3), b.flatten(0, -3), out=_batched(c))
     return c
 
@@ -364,10 +361,9 @@ def _scores(qs: Tensor, ks: Tensor) -> Tensor:
 
 
 def _diag_scores(q: Tensor, k: Tensor, out: str = "") -> Tensor:
-    """[..., BT, BT] zeros but for A[i, i] = q[i] . k[i]: the empty span, no decay; ``scratch``'s
-    buffer of that name with out."""
-    shape = (*q.shape[:-1], BT)
-    A = (scratch.empty(out, shape, q.dtype, q.device) if out else q.new_empty(shape)).zero_()
+    """[..., BT, BT] zeros but for A[i, i] = q[i] . k[i]: the empty span, no decay; in ``scratch``'s
+    buffer out."""
+    A = scratch.empty(out, (*q.shape[:-1], BT), q.dtype, q.device).zero_()
     A.diagonal(dim1=-2, dim2=-1).copy_(torch.linalg.vecdot(q, k))
     return A
 
@@ -589,9 +585,9 @@ def _state_scan(
     [B, H, NT, K, V], and after the last. With update the keys decayed to the chunk end times v,
     that is the state entering every chunk and the final state; backwards, with scale * q decayed
     from the chunk start times do, the gradient w.r.t. the state leaving every chunk and dh0.
-    The states go to ``scratch``'s buffer of that name with out; the last is a fresh tensor.
+    The states go to ``scratch``'s buffer out; the last is a fresh tensor.
     """
-    before = scratch.like(out, update) if out else torch.empty_like(update)
+    before = scratch.like(out, update)
     updates, states = update.unbind(2), before.unbind(2)
     decays = None if decay is None else decay.mT.unbind(2)  # [B, H, Kg, 1] each
     order = list(range(len(updates) - 1, -1, -1) if reverse else range(len(updates)))

@@ -33,8 +33,9 @@ def _buffers() -> dict[str, Tensor]:
 
 
 def empty(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """An uninitialized contiguous tensor of shape and dtype on device, kept under name on CPU."""
-    if device.type != "cpu":
+    """An uninitialized contiguous tensor of shape and dtype on device, kept under name on CPU (an
+    empty name: a tensor allocated as usual, so callers need no second path)."""
+    if not name or device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     buffers = _buffers()
     numel = math.prod(shape)
