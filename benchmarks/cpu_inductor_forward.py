@@ -11,12 +11,11 @@ would be the way to issue 2's 20x; results in benchmarks/results/cpu-2026-11-23-
 """
 
 import math
-import time
 
 import torch
 
 import gla_inductor
-from cpu_recognition import inputs, naive_loop
+from cpu_recognition import inputs, median, naive_loop, seconds
 from gla_inductor.ops import BT, _block_sums, _chunk_fwd_torch
 
 LOG2_E = 1 / math.log(2)
@@ -70,13 +69,10 @@ def main():
             fn(), fn()
         for _ in range(15):
             for name, fn in fns.items():
-                for _ in range(1 if name.startswith("eager") else 3):
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
+                times[name] += [seconds(fn) for _ in range(1 if name.startswith("eager") else 3)]
     print(f"functional forward against the op: max relative difference {err:.1e}")
     for name, t in times.items():
-        print(f"| {name} | {sorted(t)[len(t) // 2] * 1e3:.2f} ms |")
+        print(f"| {name} | {median(t) * 1e3:.2f} ms |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""The CPU implementation alone: time and minor page faults per call of the forward and backward.
+
+    python benchmarks/cpu_op.py
+
+At issue 2's shape (B=2, T=512, H=4, K=V=64), every gate kind: 30 calls after 5, wall time and
+``ru_minflt`` per call. To compare code versions, run it in alternating processes with each version
+first on PYTHONPATH (benchmarks/results/cpu-2026-11-23-scratch.md): the page faults depend on what
+the process allocated before, and the box's speed on its neighbours.
+"""
+
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gla_inductor.ops import _chunk_bwd_torch, _chunk_fwd_torch
+
+
+def per_call(fn, calls: int = 30) -> tuple:
+    """(ms, minor page faults) per call, after 5 warm-up calls."""
+    for _ in range(5):
+        fn()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - start) / calls * 1e3
+    return ms, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / calls
+
+
+def main():
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(2, 512, 4, 64) for _ in range(4))
+    gates = {"vector": F.logsigmoid(torch.randn(2, 512, 4, 64)), "scalar": F.logsigmoid(torch.randn(2, 512, 4)),
+             "none": None}
+    for name, g in gates.items():
+        fwd = per_call(lambda: _chunk_fwd_torch(q, k, v, g, None, None, 0.125, False, False))
+        bwd = per_call(lambda: _chunk_bwd_torch(q, k, v, g, None, None, do, None, 0.125, False))
+        print(f"{name:6s} forward {fwd[0]:.2f} ms, {fwd[1]:.0f} faults | backward {bwd[0]:.2f} ms, {bwd[1]:.0f} faults")
+
+
+if __name__ == "__main__":
+    main()
