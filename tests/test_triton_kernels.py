@@ -406,7 +406,6 @@ def test_standalone_render_is_cached_and_specializes_head_sizes():
     assert "{{" not in kernel.source and "{%" not in kernel.source
 
 
-
 def test_specialization_key_is_as_fine_as_tritons():
     """Eager launches reuse a compiled kernel (StandaloneKernel.compiled) where their
     specialization_key is equal: it must tell apart every two arguments Triton's own specialization
