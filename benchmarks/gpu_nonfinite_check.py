@@ -1,4 +1,4 @@
-"""GPU check of non-finite values through the default forward (bf16, vector gate): a NaN and an
+"""GPU check of non-finite values through the default forward (bf16, --gate vector or scalar): a NaN and an
 infinity in v, each in one (batch, head), against the fp32 time loop on those heads. o and the
 final state must be non-finite exactly where the loop's are (NaN exactly where its are, for the
 NaN), and close elsewhere; a clean head must stay finite. Each shape is run three times (a race
@@ -30,6 +30,7 @@ def check(got: torch.Tensor, want: torch.Tensor, nan_only: bool) -> str:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="8,256,16,256,256;8,256,16,128,128;2,2048,2,128,128;8,256,8,64,64")
+    p.add_argument("--gate", default="vector", choices=["vector", "scalar"])
     args = p.parse_args()
     from gpu_schedule import sweep_inputs
 
@@ -41,8 +42,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(";"):
         B, T, H, K, V = map(int, shape.split(","))
-        q, k, v, g = sweep_inputs(B, T, H, K, V, "vector")
-        cfg = default_config(B, T, H, K, V, q.dtype, True, q.device)
+        q, k, v, g = sweep_inputs(B, T, H, K, V, args.gate)
+        cfg = default_config(B, T, H, K, V, q.dtype, args.gate == "vector", q.device)
         poison = {(0, 1): (T * 2 // 5, 7, float("nan")), (B - 1, 0): (T * 3 // 4, V - 3, float("inf"))}
         for (b, h), (t, c, value) in poison.items():
             v[b, t, h, c] = value

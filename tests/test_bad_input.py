@@ -366,25 +366,6 @@ def run_kernels(inputs, reverse=False, scale=0.25, schedule=None):
     return o.cpu(), ht.cpu()
 
 
-# Left open: the fused scan's in-chunk A @ v multiplies the zeros above A's diagonal by v_j, so a
-# non-finite v_j reaches the steps before j in its chunk (0 * inf = NaN). The split schedule's output
-# kernel redoes such chunks exactly (one reduction per program), and gla_chunk_carry (the local
-# schedule) takes the values with the non-finite ones zeroed and sets the steps they feed to NaN,
-# counted by a dot with the causal ones. In the fused scan that fix, and another finding the fed steps
-# by a min over them, cost 15-65% of the forward on the H100 (its loop already holds 255 registers and
-# spills; the zeroed values go through shared memory there, one more round trip on the sequential
-# path per chunk): benchmarks/results/h100-2026-11-23-nonfinite.md.
-_V_LEAK = ("gla_chunk_scan's in-chunk A @ v multiplies the zeros above A's diagonal by v_j: a non-finite v_j "
-           "reaches the steps before j in its chunk (0 * inf = NaN)")
-
-
-def _kernel_nonfinite_cases():
-    for param in _nonfinite_cases():
-        gate, name, value = param.values
-        marks = [pytest.mark.xfail(strict=True, reason=_V_LEAK)] if name == "v" else []
-        yield pytest.param(gate, name, value, marks=marks, id=param.id)
-
-
 # K = V = 16: the kernels' smallest tiles; T = 100: two chunks of BT = 64, the bad step at 80
 KERNEL_SIZES = dict(B=1, H=1, K=16, V=16)
 
@@ -393,7 +374,7 @@ kernel_warnings = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 @kernel_warnings
-@pytest.mark.parametrize("gate,name,value", list(_kernel_nonfinite_cases()))
+@pytest.mark.parametrize("gate,name,value", list(_nonfinite_cases()))
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
 def test_kernels_nonfinite_input_propagates_like_the_loop(gate, name, value, reverse):
     inputs = _poison(make_inputs(gate, T=100, **KERNEL_SIZES), name, value, t=80)
@@ -401,6 +382,26 @@ def test_kernels_nonfinite_input_propagates_like_the_loop(gate, name, value, rev
     o_ref, ht_ref = call(naive_recurrent_gla, inputs, output_final_state=True, scale=0.25, reverse=reverse)
     assert_nonfinite_like(o, o_ref, value != value, "o")
     assert_nonfinite_like(ht, ht_ref, value != value, "final state")
+
+
+@kernel_warnings
+def test_kernels_redo_only_the_poisoned_programs():
+    """The fused scan walks again only the programs a non-finite value reached (one (batch, head)
+    and one of two value tiles of 64 here, its first chunk): their o and final state as the loop's,
+    every other program's bit for bit those of the clean input."""
+    inputs = make_inputs("scalar", B=2, T=150, H=2, K=16, V=80)
+    o_clean, ht_clean = run_kernels(inputs)
+    poisoned = {n: None if x is None else x.clone() for n, x in inputs.items()}
+    poisoned["v"][1, 30, 0, 70] = float("nan")
+    o, ht = run_kernels(poisoned)
+    o_ref, ht_ref = call(naive_recurrent_gla, poisoned, output_final_state=True, scale=0.25)
+    assert_nonfinite_like(o, o_ref, True, "o")
+    assert_nonfinite_like(ht, ht_ref, True, "final state")
+    same = torch.ones_like(o, dtype=torch.bool)
+    same[1, :, 0, 64:] = False
+    assert torch.equal(o[same], o_clean[same])
+    assert torch.equal(ht[:, :, :, :64], ht_clean[:, :, :, :64])
+    assert torch.equal(ht[0], ht_clean[0]) and torch.equal(ht[1, 1], ht_clean[1, 1])
 
 
 # the other schedules, on the cases where they differ from the fused scan: values (the in-chunk A @ v),

@@ -40,6 +40,20 @@ def triton_everywhere(inductor_triton):
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def force_schedule(monkeypatch):
+    """force_schedule(local): the local schedule (True) or the fused scan (False) at any head size.
+    default_config's cache is cleared when forcing and after the test, so that no other test is
+    handed a forced choice."""
+
+    def force(local: bool):
+        monkeypatch.setattr(triton_chunk, "local_schedule", lambda BK, vector_gate: local)
+        triton_chunk.default_config.cache_clear()
+
+    yield force
+    triton_chunk.default_config.cache_clear()
+
+
 def _inputs(B, T, H, K, V, gate, h0, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
 
@@ -107,10 +121,10 @@ def test_forward_and_backward_run_the_templates(gate, reverse):
 
 
 @pytest.mark.parametrize("gate", ["vector", "scalar", "none"])
-def test_local_schedule_runs_its_templates(gate, monkeypatch):
+def test_local_schedule_runs_its_templates(gate, force_schedule):
     """The local schedule (chosen on a GPU for large heads; forced here): forward = chunk-local terms
     plus the carry scan, backward = local terms, two carry scans, dq/dk/dg; gradients exact."""
-    monkeypatch.setattr(triton_chunk, "local_schedule", lambda BK, vector_gate: True)
+    force_schedule(True)
     x = _inputs(1, 37, 2, 16, 24, gate, h0=True)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(1, 37, 2, 24, generator=gen, dtype=torch.float64).to(DEVICE)
@@ -138,22 +152,27 @@ def test_local_schedule_runs_its_templates(gate, monkeypatch):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_local_schedule_nonfinite_values_propagate_like_the_loop(value, monkeypatch):
-    """A non-finite value in the compiled local schedule: o is non-finite from its step on in its
-    column, as in the time loop, and finite (and exact) before it, in its chunk too (the carry's
-    CHECK); NaN exactly where the loop's is for a NaN."""
-    monkeypatch.setattr(triton_chunk, "local_schedule", lambda BK, vector_gate: True)
+@pytest.mark.parametrize("local", [False, True], ids=["scan", "local"])
+def test_nonfinite_values_propagate_like_the_loop(local, value, force_schedule):
+    """A non-finite value in a compiled forward: o is non-finite from its step on in its column, as
+    in the time loop, and finite (and exact) before it, in its chunk too; NaN exactly where the
+    loop's is for a NaN. The fused scan redoes the poisoned program's walk and stores o again
+    through the same fused epilogue (here * 2 + 1); the local schedule's carry checks each chunk."""
+    force_schedule(local)
     x = {n: t.detach() for n, t in _inputs(1, 100, 2, 16, 24, "vector", h0=False).items()}
     x["v"][0, 80, 1, 5] = value  # in the second chunk of 64 steps
 
     @torch.compile(fullgraph=True)
     def fwd(x):
-        return gla_inductor.chunk_gla(**x, output_final_state=True)
+        o, ht = gla_inductor.chunk_gla(**x, output_final_state=True)
+        return o * 2 + 1, ht
 
     (o, ht), (code,) = run_and_get_code(fwd, x)
-    assert code.count(CARRY_KERNEL) == 1 and not EXTERN_CALL.search(code)
+    assert code.count(CARRY_KERNEL if local else SCAN_KERNEL) == 1 and not EXTERN_CALL.search(code)
+    if not local:
+        assert len(re.findall(r"def (triton_\w+)\(", code)) == 1  # the epilogue is in the template
     o64, ht64 = naive_recurrent_gla(**{n: t.double() for n, t in x.items()}, output_final_state=True)
-    for got, want in ((o, o64), (ht, ht64)):
+    for got, want in ((o, o64 * 2 + 1), (ht, ht64)):
         bad = ~torch.isfinite(want)
         assert bad.any() and torch.equal(~torch.isfinite(got), bad)
         if value != value:
