@@ -1,6 +1,7 @@
 """GPU benchmark: gla_inductor's kernels side by side with FLA 0.6, in one process.
 
     python benchmarks/gpu_gla.py --out results.json [--impls ours,fla,naive,compiled] [--shapes 0,1]
+        [--custom "2,4096,16,128,128;1,8192,16,128,128"]
 
 Per shape (B, T, H, K, V), bf16, layout [B, T, H, D]:
   * ours: `gla_inductor.chunk_gla` (vector gate) and the scalar gate, forward and forward+backward;
@@ -165,6 +166,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--impls", default="ours,fla,naive,compiled")
     parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
+    parser.add_argument("--custom", help="shapes 'B,T,H,K,V;...' to measure instead of --shapes")
     parser.add_argument("--gates", default="vector,scalar", help="gate kinds to measure (FLA's autotuning "
                         "takes minutes per kernel and shape: measure only what a run needs)")
     args = parser.parse_args()
@@ -186,8 +188,12 @@ def main():
     def log(row):
         print(json.dumps(row), flush=True)
 
-    for i in map(int, args.shapes.split(",")):
-        rows += run_shape(SHAPES[i], fns, bw, log)
+    if args.custom:
+        shapes = [tuple(map(int, shape.split(","))) for shape in args.custom.split(";")]
+    else:
+        shapes = [SHAPES[i] for i in map(int, args.shapes.split(","))]
+    for shape in shapes:
+        rows += run_shape(shape, fns, bw, log)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\n{meta}")

@@ -122,7 +122,10 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
     tiles and 8 warps (BV = 128: 0.60 against 0.76 ms at (8, 2048, 16, 128, 128), 1.39 against
     2.77 ms at (8, 2048, 4, 256, 512); fewer programs than SMs, but each chunk's intra-chunk work
     is done once per 128 values instead of 64), other gates with 4 warps and BV = 64 up to K = 128
-    (0.35 against 0.49 ms at (8, 2048, 16, 128, 128)). At K = 256 the two sweeps of the scalar
+    (0.35 against 0.49 ms at (8, 2048, 16, 128, 128)), narrowed to 32 as ``fallback``'s are where
+    tiles of 64 leave SMs idle (0.267 -> 0.177 ms at (2, 4096, 16, 128, 128), 0.550 -> 0.330 at
+    (1, 8192, 16, 128, 128), 0.351 -> 0.302 at (1, 8192, 96, 64, 64);
+    benchmarks/results/h100-2026-11-23-forward-tiles.md). At K = 256 the two sweeps of the scalar
     gate disagreed (4 warps 1.41 ms with a bf16 gate, 2.47 ms with an fp32 one): ``fallback``,
     whose stage count the others take too. So do vector gates past K = 128 (where the local
     schedule is the default): a forced fused scan at K = 256, BV = 128 asked the H100 for 240 KB of
@@ -131,7 +134,7 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
     if vector_gate and BK <= 128:
         return TileConfig(block_v=min(BV, 128), num_warps=4 if BK <= 32 else 8, num_stages=fallback.num_stages)
     if BK <= 128:
-        return TileConfig(block_v=min(BV, 64), num_warps=4, num_stages=fallback.num_stages)
+        return TileConfig(block_v=fallback.block_v, num_warps=4, num_stages=fallback.num_stages)
     return fallback
 
 

@@ -6,6 +6,7 @@ Without a GPU the kernels run on CPU tensors under the Triton interpreter (``con
 """
 
 import dataclasses
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -284,17 +285,18 @@ def test_steep_gates_long_sequence():
 
 
 @needs_kernels
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("final_state", [False, True], ids=["no_ht", "ht"])
 @pytest.mark.parametrize("gate", ["scalar", "const"])
-def test_scan_narrow_value_tiles(gate, final_state):
-    """Regression: the fused forward at BV = 32 with 8 warps (default_config's value tile when B * H
-    leaves SMs idle), K = V = 64, bf16, over two chunks. Triton 3.6 on sm_90 miscompiled the
+def test_scan_narrow_value_tiles(gate, final_state, warps):
+    """Regression: the fused forward at BV = 32 (default_config's value tile when B * H leaves SMs
+    idle; 4 warps for the forward, 8 for the backward's scans), K = V = 64, bf16, over two chunks. Triton 3.6 on sm_90 miscompiled the
     inter-chunk term SCALE q 2^G S of this scan for scalar and constant gates (o wrong by ~100% from
     the second chunk on, ht exact; at other shapes an illegal memory access) until the state's
     conversion to the dot dtype was hoisted to the top of the chunk loop (gla_chunk_scan)."""
     case = Case(gate, T=128, K=64, V=64, dtype=bf16, ht=final_state)
     q, k, v, g, g_gamma, h0, _, _ = _make_inputs(case, DEVICE)
-    tiles = triton_chunk.TileConfig(block_v=32, num_warps=8, num_stages=2)
+    tiles = triton_chunk.TileConfig(block_v=32, num_warps=warps, num_stages=2)
     config = dataclasses.replace(triton_chunk.default_config(1, 128, 1, 64, 64, bf16, False, q.device), block_t=64,
                                  scan=tiles, states=tiles, dual=tiles)
     o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, 0.125, final_state, False, config=config)
@@ -351,6 +353,27 @@ def test_carry_tiles_and_schedule_by_head_size():
     assert (config(128, 128).carry.block_v, config(128, 128).carry.num_warps) == (64, 4)
     assert config(64, 64).local and not config(32, 64).local
     assert not config(128, 128, vector=False).local and config(256, 512, vector=False).local
+
+
+def test_forward_scan_value_tiles_narrow_where_programs_leave_sms_idle(monkeypatch):
+    """The fused forward of scalar, constant and no gates up to K = 128 takes value tiles of 32 where
+    tiles of 64 give fewer programs than SMs, as the backward's scans do (H100, 132 SMs, bf16,
+    benchmarks/results/h100-2026-11-23-forward-tiles.md: 0.267 -> 0.177 ms at (2, 4096, 16, 128, 128),
+    0.550 -> 0.330 at (1, 8192, 16, 128, 128), results bit-equal), and 64 where they fill the SMs."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=132))
+    triton_chunk.default_config.cache_clear()  # its entries for "cuda" must come from the stand-in
+    try:
+        def scan_tile(B, T, H, K, V, vector=False):
+            return triton_chunk.default_config(B, T, H, K, V, torch.bfloat16, vector, torch.device("cuda")).scan
+
+        assert scan_tile(2, 4096, 16, 128, 128) == triton_chunk.TileConfig(block_v=32, num_warps=4, num_stages=2)
+        assert scan_tile(1, 8192, 96, 64, 64).block_v == 32  # 96 programs of 64 values
+        assert scan_tile(8, 2048, 16, 128, 128).block_v == 64  # 256 programs of 64 values
+        assert scan_tile(1, 8192, 96, 128, 128).block_v == 64  # 192
+        assert scan_tile(2, 4096, 16, 32, 32, vector=True).block_v == 32  # vector gates: all of V up to 128
+    finally:
+        triton_chunk.default_config.cache_clear()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the tiles' warps matter only compiled")
