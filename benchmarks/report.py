@@ -39,10 +39,11 @@ def table(meta, rows) -> str:
                     out.append(f"| {s} | {ours.split('_')[1]} | error: {err[:60]} |||||||||")
                 continue
             fwd_b = f"{b['fwd_ms']:.3f}" if b else "–"
-            fb_b = f"{b['fwdbwd_ms']:.3f}" if b else "–"
             su = f"{b['fwd_ms'] / a['fwd_ms']:.2f}x" if b else "–"
-            su2 = f"{b['fwdbwd_ms'] / a['fwdbwd_ms']:.2f}x" if b else "–"
-            mem = f"{a['peak_extra_mib']:.0f} / {b['peak_extra_mib']:.0f}" if b else f"{a['peak_extra_mib']:.0f} / –"
+            b_bwd = b and "fwdbwd_ms" in b  # FLA's backward may refuse (see gpu_gla.run_shape)
+            fb_b = f"{b['fwdbwd_ms']:.3f}" if b_bwd else "–"
+            su2 = f"{b['fwdbwd_ms'] / a['fwdbwd_ms']:.2f}x" if b_bwd else "–"
+            mem = f"{a['peak_extra_mib']:.0f} / {b['peak_extra_mib']:.0f}" if b_bwd else f"{a['peak_extra_mib']:.0f} / –"
             out.append(
                 f"| {', '.join(map(str, s))} | {ours.split('_')[1]} | {a['fwd_ms']:.3f} | {fwd_b} | {su} | "
                 f"{a['fwdbwd_ms']:.3f} | {fb_b} | {su2} | {100 * a['floor_ms'] / a['fwd_ms']:.0f}% | {mem} | "
@@ -72,7 +73,7 @@ def plot(rows, path) -> bool:
     for ax, key in zip(axes, ("fwd_ms", "fwdbwd_ms")):
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
-            vals = [next((r[key] for r in ok if r["impl"] == impl and tuple(r["shape"]) == s), 0) for s in shapes]
+            vals = [next((r.get(key, 0) for r in ok if r["impl"] == impl and tuple(r["shape"]) == s), 0) for s in shapes]
             ax.bar([x + i * width for x in range(len(shapes))], vals, width, label=impl)
         ax.set_xticks([x + 0.4 for x in range(len(shapes))])
         ax.set_xticklabels([",".join(map(str, s)) for s in shapes], rotation=30, fontsize=7)
