@@ -207,9 +207,9 @@ def _nonfinite_cases():
                 yield pytest.param(gate, name, float(value), id=f"{gate}-{name}-{value}")
 
 
-def assert_nonfinite_like(got, ref, nan_only: bool, what: str):
+def assert_nonfinite_like(got, ref, nan_only: bool, what: str, tol: float = 1e-5):
     """got is non-finite exactly where ref is, and NaN exactly where ref is when nan_only;
-    elsewhere close to ref."""
+    elsewhere close to ref (relative and absolute tolerance ``tol``)."""
     bad_got, bad_ref = ~torch.isfinite(got), ~torch.isfinite(ref)
     if nan_only:
         diff = (got.isnan() != ref.isnan()).nonzero()
@@ -217,7 +217,7 @@ def assert_nonfinite_like(got, ref, nan_only: bool, what: str):
     diff = (bad_got != bad_ref).nonzero()
     assert diff.numel() == 0, f"{what}: non-finite where the loop is finite or vice versa at {diff[:4].tolist()}"
     ok = ~bad_ref
-    torch.testing.assert_close(got[ok].double(), ref[ok].double(), rtol=1e-5, atol=1e-5, msg=what)
+    torch.testing.assert_close(got[ok].double(), ref[ok].double(), rtol=tol, atol=tol, msg=what)
 
 
 @pytest.mark.parametrize("gate,name,value", list(_nonfinite_cases()))
@@ -387,7 +387,8 @@ def test_kernels_nonfinite_input_propagates_like_the_loop(gate, name, value, rev
 @kernel_warnings
 def test_kernels_redo_only_the_poisoned_programs():
     """The fused scan walks again only the programs a non-finite value reached (one (batch, head)
-    and one of two value tiles of 64 here, its first chunk): their o and final state as the loop's,
+    and one value tile here, the last of two tiles of 64, or of three of 32 on a GPU with more SMs
+    than programs; its first chunk): their o and final state as the loop's,
     every other program's bit for bit those of the clean input."""
     inputs = make_inputs("scalar", B=2, T=150, H=2, K=16, V=80)
     o_clean, ht_clean = run_kernels(inputs)
@@ -395,8 +396,12 @@ def test_kernels_redo_only_the_poisoned_programs():
     poisoned["v"][1, 30, 0, 70] = float("nan")
     o, ht = run_kernels(poisoned)
     o_ref, ht_ref = call(naive_recurrent_gla, poisoned, output_final_state=True, scale=0.25)
-    assert_nonfinite_like(o, o_ref, True, "o")
-    assert_nonfinite_like(ht, ht_ref, True, "final state")
+    # On CUDA the fp32 dots are "tf32x3" (three TF32 products): at this shape, clean or poisoned,
+    # value tiles of 32 or 64, o was up to 2.8e-5 from float64 on an H100, where the fp32 loop was
+    # 1.3e-6 (the interpreter's dots are exact fp32)
+    tol = 1e-4 if KERNEL_DEVICE == "cuda" else 1e-5
+    assert_nonfinite_like(o, o_ref, True, "o", tol)
+    assert_nonfinite_like(ht, ht_ref, True, "final state", tol)
     same = torch.ones_like(o, dtype=torch.bool)
     same[1, :, 0, 64:] = False
     assert torch.equal(o[same], o_clean[same])
