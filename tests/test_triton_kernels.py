@@ -103,6 +103,11 @@ CASES = [
     Case("scalar", T=1, K=12, V=20, h0=True, ht=True, reverse=True),
     Case("scalar", T=17, K=20, V=12, ht=True),
     Case("scalar", B=2, T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True),
+    # value tiles of 16 with 8 warps: the backward's scans at K >= 64, V <= 16 (a forward scan with
+    # that tile, fp32 at K = 16, was 1.3e-3 from float64 on an H100:
+    # benchmarks/results/h100-2026-11-23-forward-tiles.md)
+    Case("scalar", T=130, K=64, V=12, h0=True, ht=True),
+    Case("vector", T=130, K=64, V=12, h0=True, ht=True, reverse=True),
     # constant gate
     Case("const", T=17, K=12, V=20, h0=True),
     Case("const", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True, reverse=True),
