@@ -141,7 +141,6 @@ def run_shape(shape, fns, bw, log):
         torch.manual_seed(0)
         args = inputs(B, T, H, K, V, gate)
         row = {"impl": name, "gate": gate, "shape": shape}
-        run = None
         try:
             start = time.perf_counter()
             run = fwd_bwd(fn, args)

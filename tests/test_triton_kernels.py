@@ -295,10 +295,11 @@ def test_steep_gates_long_sequence():
 @pytest.mark.parametrize("gate", ["scalar", "const"])
 def test_scan_narrow_value_tiles(gate, final_state, warps):
     """Regression: the fused forward at BV = 32 (default_config's value tile when B * H leaves SMs
-    idle; 4 warps for the forward, 8 for the backward's scans), K = V = 64, bf16, over two chunks. Triton 3.6 on sm_90 miscompiled the
-    inter-chunk term SCALE q 2^G S of this scan for scalar and constant gates (o wrong by ~100% from
-    the second chunk on, ht exact; at other shapes an illegal memory access) until the state's
-    conversion to the dot dtype was hoisted to the top of the chunk loop (gla_chunk_scan)."""
+    idle; 4 warps for the forward, 8 for the backward's scans), K = V = 64, bf16, over two chunks.
+    Triton 3.6 on sm_90 miscompiled the inter-chunk term SCALE q 2^G S of this scan for scalar and
+    constant gates (o wrong by ~100% from the second chunk on, ht exact; at other shapes an illegal
+    memory access) until the state's conversion to the dot dtype was hoisted to the top of the chunk
+    loop (gla_chunk_scan)."""
     case = Case(gate, T=128, K=64, V=64, dtype=bf16, ht=final_state)
     q, k, v, g, g_gamma, h0, _, _ = _make_inputs(case, DEVICE)
     tiles = triton_chunk.TileConfig(block_v=32, num_warps=warps, num_stages=2)
@@ -376,7 +377,7 @@ def test_forward_scan_value_tiles_narrow_where_programs_leave_sms_idle(monkeypat
         assert scan_tile(1, 8192, 96, 64, 64).block_v == 32  # 96 programs of 64 values
         assert scan_tile(8, 2048, 16, 128, 128).block_v == 64  # 256 programs of 64 values
         assert scan_tile(1, 8192, 96, 128, 128).block_v == 64  # 192
-        assert scan_tile(2, 4096, 16, 32, 32, vector=True).block_v == 32  # vector gates: all of V up to 128
+        assert scan_tile(2, 4096, 16, 32, 128, vector=True).block_v == 128  # vector gates keep theirs
     finally:
         triton_chunk.default_config.cache_clear()
 
