@@ -60,6 +60,18 @@ def inductor_triton(monkeypatch):
         yield
 
 
+@pytest.fixture
+def fresh_default_config():
+    """triton_chunk.default_config's cache cleared before the test and after it: for tests that
+    patch what it reads (the schedule rule, the SM count), so that no other test is handed their
+    choices."""
+    from gla_inductor import triton_chunk
+
+    triton_chunk.default_config.cache_clear()
+    yield
+    triton_chunk.default_config.cache_clear()
+
+
 _SUMMARY = pytest.StashKey[list]()
 
 

@@ -41,17 +41,13 @@ def triton_everywhere(inductor_triton):
 
 
 @pytest.fixture
-def force_schedule(monkeypatch):
-    """force_schedule(local): the local schedule (True) or the fused scan (False) at any head size.
-    default_config's cache is cleared when forcing and after the test, so that no other test is
-    handed a forced choice."""
+def force_schedule(monkeypatch, fresh_default_config):
+    """force_schedule(local): the local schedule (True) or the fused scan (False) at any head size."""
 
     def force(local: bool):
         monkeypatch.setattr(triton_chunk, "local_schedule", lambda BK, vector_gate: local)
-        triton_chunk.default_config.cache_clear()
 
-    yield force
-    triton_chunk.default_config.cache_clear()
+    return force
 
 
 def _inputs(B, T, H, K, V, gate, h0, dtype=torch.float32, seed=0):

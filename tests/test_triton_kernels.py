@@ -361,25 +361,22 @@ def test_carry_tiles_and_schedule_by_head_size():
     assert not config(128, 128, vector=False).local and config(256, 512, vector=False).local
 
 
-def test_forward_scan_value_tiles_narrow_where_programs_leave_sms_idle(monkeypatch):
+def test_forward_scan_value_tiles_narrow_where_programs_leave_sms_idle(monkeypatch, fresh_default_config):
     """The fused forward of scalar, constant and no gates up to K = 128 takes value tiles of 32 where
     tiles of 64 give fewer programs than SMs, as the backward's scans do (H100, 132 SMs, bf16,
     benchmarks/results/h100-2026-11-23-forward-tiles.md: 0.267 -> 0.177 ms at (2, 4096, 16, 128, 128),
     0.550 -> 0.330 at (1, 8192, 16, 128, 128), results bit-equal), and 64 where they fill the SMs."""
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
-    triton_chunk.default_config.cache_clear()  # its entries for "cuda" must come from the stand-in
-    try:
-        def scan_tile(B, T, H, K, V, vector=False):
-            return triton_chunk.default_config(B, T, H, K, V, torch.bfloat16, vector, torch.device("cuda")).scan
 
-        assert scan_tile(2, 4096, 16, 128, 128) == triton_chunk.TileConfig(block_v=32, num_warps=4, num_stages=2)
-        assert scan_tile(1, 8192, 96, 64, 64).block_v == 32  # 96 programs of 64 values
-        assert scan_tile(8, 2048, 16, 128, 128).block_v == 64  # 256 programs of 64 values
-        assert scan_tile(1, 8192, 96, 128, 128).block_v == 64  # 192
-        assert scan_tile(2, 4096, 16, 32, 128, vector=True).block_v == 128  # vector gates keep theirs
-    finally:
-        triton_chunk.default_config.cache_clear()
+    def scan_tile(B, T, H, K, V, vector=False):
+        return triton_chunk.default_config(B, T, H, K, V, torch.bfloat16, vector, torch.device("cuda")).scan
+
+    assert scan_tile(2, 4096, 16, 128, 128) == triton_chunk.TileConfig(block_v=32, num_warps=4, num_stages=2)
+    assert scan_tile(1, 8192, 96, 64, 64).block_v == 32  # 96 programs of 64 values
+    assert scan_tile(8, 2048, 16, 128, 128).block_v == 64  # 256 programs of 64 values
+    assert scan_tile(1, 8192, 96, 128, 128).block_v == 64  # 192
+    assert scan_tile(2, 4096, 16, 32, 128, vector=True).block_v == 128  # vector gates keep theirs
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the tiles' warps matter only compiled")
