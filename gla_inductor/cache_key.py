@@ -19,7 +19,7 @@ def cache_key_pass():
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     root = pathlib.Path(__file__).parent
-    files = tuple(sorted(str(p) for p in root.rglob("*") if p.suffix in (".py", ".jinja")))
+    files = tuple(sorted(str(p) for p in root.rglob("*") if p.suffix in (".py", ".jinja", ".cpp")))
 
     class GLACacheKey(CustomGraphPass):
         """Does nothing to the graph; its uuid is the hash of the package's files."""

@@ -68,7 +68,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import scratch
+from . import cpu_recurrent, scratch
 from .gates import GateFn, gate_grads, log_gate
 
 __all__ = ["chunk_gla", "register_cuda_impl", "BT"]
@@ -803,6 +803,10 @@ def _chunk_fwd_impl(
         return impl(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
                     gate=fn, gate_a=gate_a, gate_bias=gate_bias)
     g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
+    stepped = cpu_recurrent.forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
+                                    _output_dtype(q, k, v), _state_dtype(q, k, v, g, g_gamma, initial_state))
+    if stepped is not None:
+        return stepped
     return _fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
 
 

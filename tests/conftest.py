@@ -23,6 +23,26 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
+@pytest.fixture(params=["step_kernel", "chunked"])
+def cpu_forward(request):
+    """The test runs once with each CPU forward of the ops: the C++ step loop
+    (gla_inductor/cpu_recurrent.py), which the ops take on CPU, and the chunked PyTorch forward,
+    which they take for fp64, without a C++ compiler and as the CUDA fallback."""
+    from gla_inductor import config
+
+    with config.patch(cpu_kernel=request.param == "step_kernel"):
+        yield request.param
+
+
+@pytest.fixture
+def chunked_forward():
+    """The ops' CPU forward is the chunked PyTorch one, for tests of that algorithm itself."""
+    from gla_inductor import config
+
+    with config.patch(cpu_kernel=False):
+        yield
+
+
 @pytest.fixture
 def fresh_compiler():
     """Each test compiles from scratch and counts only its own rewrites: Dynamo's caches and

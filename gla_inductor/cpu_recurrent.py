@@ -1,0 +1,169 @@
+"""The ops' forward on CPU: the recurrence as a step loop in C++ (``csrc/recurrent_cpu.cpp``).
+
+Why not the chunked PyTorch forward: at issue 2's shape (B=2, T=512, H=4, K=V=64, fp32) its five
+batched matmuls alone took ~2 ms of a ~4 ms call on a 2-core box, where the eager naive loop takes
+~40 ms. The step loop does one multiply and two fused multiply-adds per state element and step, on
+a state tile that stays in L1, with no intermediates: ~0.7 ms (benchmarks/results/cpu-2026-11-24-*.md).
+It computes what the time loop computes, step by step, so non-finite inputs and growing gates give
+the loop's own results.
+
+The source is compiled on first use with the system's C++ compiler (the one Inductor's CPU backend
+needs too), into a per-user cache directory keyed by the source, the compiler and the flags, and
+loaded with ctypes. Where that fails, or for fp64 (the oracles' dtype, kept to the chunked path
+written in PyTorch), ``forward`` returns None and the caller takes the chunked implementation.
+The backward is the chunked one either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import config
+
+log = logging.getLogger("gla_inductor")
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "recurrent_cpu.cpp"
+
+# Tried in order until one compiles: -march=native for the machine's vector width, -fopenmp for
+# its cores. A compiler without OpenMP still gives a (single-threaded) kernel.
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+    ["-O3", "-ffp-contract=fast", "-fopenmp"],
+    ["-O3", "-ffp-contract=fast"],
+)
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("GLA_INDUCTOR_CACHE_DIR")
+    if root:
+        return pathlib.Path(root)
+    try:
+        user = os.getlogin()
+    except OSError:
+        user = str(os.getuid()) if hasattr(os, "getuid") else "user"
+    return pathlib.Path(tempfile.gettempdir()) / f"gla_inductor_{user}"
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _machine() -> str:
+    """What -march=native compiles for: a library built for one CPU may not run on another that
+    shares the cache directory."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def compile_library(compiler: str, cache_dir: pathlib.Path) -> pathlib.Path:
+    """The path of the compiled library, built unless the cache holds it. Raises RuntimeError with
+    the compiler's message when no flag set compiles."""
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256(repr((source, compiler, version, flags, _machine())).encode()).hexdigest()[:20]
+        path = cache_dir / f"recurrent_cpu_{key}.so"
+        if path.exists():
+            return path
+        # built under a name of its own, then renamed: processes compiling at once never load a
+        # half-written file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        cmd = [compiler, *flags, "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode == 0:
+            os.replace(tmp, path)
+            return path
+        os.unlink(tmp)
+        errors.append(f"{' '.join(cmd)}:\n{done.stderr.strip()[-2000:]}")
+    raise RuntimeError("could not compile the CPU kernel:\n" + "\n".join(errors))
+
+
+def load(compiler: Optional[str], cache_dir: pathlib.Path) -> Optional[ctypes.CDLL]:
+    """The kernel's library, or None (logged once per call) where it cannot be built or loaded."""
+    try:
+        if compiler is None:
+            raise RuntimeError("no C++ compiler found (set CXX)")
+        lib = ctypes.CDLL(str(compile_library(compiler, cache_dir)))
+    except Exception as e:  # any failure: the chunked PyTorch forward still works
+        log.warning("gla_inductor: the CPU forward kernel is unavailable, using the chunked PyTorch "
+                    "forward: %s", e)
+        return None
+    fn = lib.gla_recurrent_forward
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.POINTER(ctypes.c_int64)] * 2 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+@functools.cache
+def library() -> Optional[ctypes.CDLL]:
+    return load(_compiler(), _cache_dir())
+
+
+def available() -> bool:
+    return config.cpu_kernel and library() is not None
+
+
+def _fp32(x: Tensor) -> Tensor:
+    """x in fp32 with a contiguous last dimension (the kernel's only layout requirement)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _decay(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> tuple[Optional[Tensor], tuple]:
+    """exp of the log gate, and its strides over (batch, step, head, key): 0 where it is shared."""
+    if g is not None:
+        a = g.float().exp()
+        return a, (*a.stride()[:3], a.stride(3) if g.dim() == 4 else 0)
+    if g_gamma is not None:
+        a = g_gamma.float().exp()
+        return a, (0, 0, a.stride(0), 0)
+    return None, (0, 0, 0, 0)
+
+
+def _ptr(x: Optional[Tensor]) -> Optional[int]:
+    return None if x is None else x.data_ptr()
+
+
+@torch.no_grad()
+def forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, out_dtype, state_dtype):
+    """(o, final state or an empty tensor) like ``ops._chunk_fwd_torch``, from the step loop; None
+    when this path does not apply (see the module docstring). q and k may have grouped heads."""
+    if state_dtype != torch.float32 or q.device.type != "cpu" or not available():
+        return None
+    B, T, G, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    q, k, v = _fp32(q), _fp32(k), _fp32(v)
+    a, a_strides = _decay(q, g, g_gamma)
+    o = torch.empty(B, T, H, V, dtype=torch.float32)
+    if initial_state is None:
+        state = torch.zeros(B, H, K, V, dtype=torch.float32)
+    else:
+        state = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    shape = (ctypes.c_int64 * 6)(B, T, H, K, V, H // G if G else 1)
+    strides = (ctypes.c_int64 * 16)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *a_strides, *o.stride()[:3])
+    threads = max(1, min(torch.get_num_threads(), B * H * -(-V // 32)))
+    library().gla_recurrent_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(a), _ptr(o), _ptr(state), shape, strides,
+                                    scale, int(reverse), threads)
+    o = o if out_dtype == torch.float32 else o.to(out_dtype)
+    return o, (state if output_final_state else q.new_empty(0, dtype=state_dtype))

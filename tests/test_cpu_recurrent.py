@@ -1,0 +1,134 @@
+"""The CPU forward's C++ step loop (gla_inductor/cpu_recurrent.py): its value tiles, layouts and
+threads against the float64 loop, that the ops take it on CPU, and that they fall back to the
+chunked forward where it cannot be built. tests/test_ops.py and tests/test_bad_input.py run their
+CPU forward tests with it as well (the ``cpu_forward`` fixture)."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gla_inductor import config, cpu_recurrent, ops
+from gla_inductor.ops import chunk_gla
+from gla_inductor.reference import naive_recurrent_gla
+
+
+def make_inputs(gate, B=2, T=37, H=2, K=8, V=40, G=None, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    G = G or H
+    x = {
+        "q": torch.randn(B, T, G, K, dtype=torch.float64),
+        "k": torch.randn(B, T, G, K, dtype=torch.float64),
+        "v": torch.randn(B, T, H, V, dtype=torch.float64),
+        "initial_state": torch.randn(B, H, K, V, dtype=torch.float64),
+    }
+    if gate == "vector":
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, K, dtype=torch.float64))
+    elif gate == "scalar":
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, dtype=torch.float64))
+    elif gate == "constant":
+        x["g_gamma"] = -torch.rand(H, dtype=torch.float64)
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def check(x, tol=1e-5, **kw):
+    o, ht = chunk_gla(**x, output_final_state=True, **kw)
+    o_ref, ht_ref = naive_recurrent_gla(**{n: t.double() for n, t in x.items()}, output_final_state=True, **kw)
+    assert o.dtype == x["v"].dtype and ht.dtype == torch.float32
+    assert rel_err(o, o_ref) <= tol and rel_err(ht, ht_ref) <= tol, (rel_err(o, o_ref), rel_err(ht, ht_ref))
+
+
+@pytest.fixture
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar", "constant", "none"])
+# 5: the rest only; 8, 24: vectors only; 32: one tile; 77 = two tiles, a vector and 5 more
+@pytest.mark.parametrize("V", [5, 8, 24, 32, 77])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_step_loop_matches_the_loop(gate, V, reverse, threads):
+    check(make_inputs(gate, V=V), reverse=reverse)
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar"])
+def test_grouped_heads(gate):
+    check(make_inputs(gate, H=6, G=2, V=12))
+
+
+def test_without_state_in_or_out():
+    x = make_inputs("vector")
+    del x["initial_state"]
+    o, ht = chunk_gla(**x)
+    o_ref, _ = naive_recurrent_gla(**{n: t.double() for n, t in x.items()})
+    assert ht is None and rel_err(o, o_ref) <= 1e-5
+
+
+def test_strided_inputs_and_scale():
+    """Head-first tensors viewed as [B, T, H, D], a v whose last dimension is strided, a gate
+    sliced from a wider one."""
+    x = make_inputs("vector", V=20)
+    x["q"], x["k"] = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x["q"], x["k"]))
+    x["v"] = x["v"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    x["g"] = torch.cat([x["g"], x["g"]], -1)[..., ::2]
+    assert not x["q"].is_contiguous() and x["v"].stride(-1) != 1 and x["g"].stride(-1) == 2
+    check(x, scale=0.3)
+
+
+def test_bf16_inputs():
+    check(make_inputs("vector", dtype=torch.bfloat16), tol=1e-2)
+
+
+def test_long_sequence_of_strong_decay():
+    x = make_inputs("vector", T=3000, K=16, V=16)
+    x["g"] = x["g"] * 20
+    check(x)
+
+
+def test_ops_take_the_step_loop_on_cpu(monkeypatch):
+    x = make_inputs("scalar")
+    chunked, real = [], ops._fwd_torch
+
+    def fwd_torch(q, *rest):
+        chunked.append(q.dtype)
+        return real(q, *rest)
+
+    monkeypatch.setattr(ops, "_fwd_torch", fwd_torch)
+    chunk_gla(**x)
+    assert chunked == []
+    with config.patch(cpu_kernel=False):
+        chunk_gla(**x)
+    chunk_gla(**{n: t.double() for n, t in x.items()})  # fp64, the oracles' dtype: the chunked path
+    assert chunked == [torch.float32, torch.float64]
+
+
+def test_compiled_once_per_cache_dir(tmp_path):
+    compiler = cpu_recurrent._compiler()
+    path = cpu_recurrent.compile_library(compiler, tmp_path)
+    stamp = path.stat().st_mtime_ns
+    assert cpu_recurrent.compile_library(compiler, tmp_path) == path and path.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_an_unbuildable_kernel_falls_back_with_a_warning(tmp_path, caplog, monkeypatch):
+    with caplog.at_level(logging.WARNING, logger="gla_inductor"):
+        assert cpu_recurrent.load("false", tmp_path) is None  # a "compiler" that always fails
+        assert cpu_recurrent.load(None, tmp_path) is None
+    assert "could not compile" in caplog.text and "no C++ compiler" in caplog.text
+    x = make_inputs("vector")
+    expected = chunk_gla(**x, output_final_state=True)
+    monkeypatch.setattr(cpu_recurrent, "library", lambda: None)
+    with config.patch(cpu_kernel=False):
+        chunked = chunk_gla(**x, output_final_state=True)
+    fallback = chunk_gla(**x, output_final_state=True)
+    assert all(torch.equal(a, b) for a, b in zip(fallback, chunked))
+    assert all(rel_err(a, b.double()) <= 1e-5 for a, b in zip(fallback, expected))
