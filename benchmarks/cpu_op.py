@@ -1,4 +1,5 @@
-"""The CPU implementation alone: time and minor page faults per call of the forward and backward.
+"""The CPU implementations alone: time and minor page faults per call of the forwards (the C++ step
+loop the ops take, and the chunked PyTorch one) and of the backward.
 
     python benchmarks/cpu_op.py
 
@@ -14,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from gla_inductor import cpu_recurrent
 from gla_inductor.ops import _chunk_bwd_torch, _chunk_fwd_torch
 
 
@@ -34,10 +36,13 @@ def main():
     q, k, v, do = (torch.randn(2, 512, 4, 64) for _ in range(4))
     gates = {"vector": F.logsigmoid(torch.randn(2, 512, 4, 64)), "scalar": F.logsigmoid(torch.randn(2, 512, 4)),
              "none": None}
+    f32 = torch.float32
     for name, g in gates.items():
+        step = per_call(lambda: cpu_recurrent.forward(q, k, v, g, None, None, 0.125, False, False, f32, f32))
         fwd = per_call(lambda: _chunk_fwd_torch(q, k, v, g, None, None, 0.125, False, False))
         bwd = per_call(lambda: _chunk_bwd_torch(q, k, v, g, None, None, do, None, 0.125, False))
-        print(f"{name:6s} forward {fwd[0]:.2f} ms, {fwd[1]:.0f} faults | backward {bwd[0]:.2f} ms, {bwd[1]:.0f} faults")
+        print(f"{name:6s} forward: step loop {step[0]:.2f} ms, {step[1]:.0f} faults; chunked {fwd[0]:.2f} ms, "
+              f"{fwd[1]:.0f} faults | backward {bwd[0]:.2f} ms, {bwd[1]:.0f} faults")
 
 
 if __name__ == "__main__":

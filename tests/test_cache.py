@@ -52,8 +52,9 @@ def test_warm_cache_in_a_second_process(tmp_path):
 def test_cache_key_covers_sources_and_templates():
     files = cache_key_pass().files
     root = pathlib.Path(gla_inductor.__file__).parent
-    want = {str(p) for p in root.rglob("*") if p.suffix in (".py", ".jinja")}
+    want = {str(p) for p in root.rglob("*") if p.suffix in (".py", ".jinja", ".cpp")}
     assert want and set(files) == want
+    assert any(f.endswith("recurrent_cpu.cpp") for f in files)
     assert any(f.endswith(".jinja") for f in files) or not list(root.rglob("*.jinja"))
 
 
