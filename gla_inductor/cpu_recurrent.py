@@ -20,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -133,12 +134,28 @@ def _fp32(x: Tensor) -> Tensor:
 def _decay(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> tuple[Optional[Tensor], tuple]:
     """exp of the log gate, and its strides over (batch, step, head, key): 0 where it is shared."""
     if g is not None:
-        a = g.float().exp()
+        # exp2 of g in log2 units: 0.08 against 0.17 ms for exp at issue 2's shape, a tenth of the
+        # call, for a relative error of |g| * 2^-24 more in a step's decay
+        a = torch.mul(g.float(), 1 / math.log(2)).exp2_()
         return a, (*a.stride()[:3], a.stride(3) if g.dim() == 4 else 0)
     if g_gamma is not None:
         a = g_gamma.float().exp()
         return a, (0, 0, a.stride(0), 0)
     return None, (0, 0, 0, 0)
+
+
+def _fits(q, k, v, g, g_gamma, initial_state) -> bool:
+    """Whether the inputs have the shapes the kernel indexes by. The ops can be called directly with
+    any tensors; the kernel would read out of bounds where the chunked forward raises an error."""
+    if q.dim() != 4 or v.dim() != 4 or k.shape != q.shape:
+        return False
+    B, T, G, K = q.shape
+    H = v.shape[2]
+    expected = [(v, (B, T, H, v.shape[3])), (g, (B, T, H, K) if g is not None and g.dim() == 4 else (B, T, H)),
+                (g_gamma, (H,)), (initial_state, (B, H, K, v.shape[3]))]
+    shapes_ok = all(x is None or tuple(x.shape) == shape for x, shape in expected)
+    tensors = [x for x in (q, k, v, g, g_gamma, initial_state) if x is not None]
+    return shapes_ok and (G == H or G > 0 and H % G == 0) and all(x.layout == torch.strided for x in tensors)
 
 
 def _ptr(x: Optional[Tensor]) -> Optional[int]:
@@ -149,7 +166,9 @@ def _ptr(x: Optional[Tensor]) -> Optional[int]:
 def forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, out_dtype, state_dtype):
     """(o, final state or an empty tensor) like ``ops._chunk_fwd_torch``, from the step loop; None
     when this path does not apply (see the module docstring). q and k may have grouped heads."""
-    if state_dtype != torch.float32 or q.device.type != "cpu" or not available():
+    if state_dtype != torch.float32 or q.device.type != "cpu" or not _fits(q, k, v, g, g_gamma, initial_state):
+        return None
+    if not available():
         return None
     B, T, G, K = q.shape
     H, V = v.shape[2], v.shape[3]

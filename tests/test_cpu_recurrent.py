@@ -132,3 +132,13 @@ def test_an_unbuildable_kernel_falls_back_with_a_warning(tmp_path, caplog, monke
     fallback = chunk_gla(**x, output_final_state=True)
     assert all(torch.equal(a, b) for a, b in zip(fallback, chunked))
     assert all(rel_err(a, b.double()) <= 1e-5 for a, b in zip(fallback, expected))
+
+
+@pytest.mark.parametrize("bad", ["k", "g", "initial_state", "v"])
+def test_direct_op_calls_with_mismatched_shapes_raise(bad):
+    """The op called directly with tensors that do not fit together: an error from the chunked
+    forward, never the kernel reading past a tensor's end."""
+    x = make_inputs("vector", B=1, T=8, H=2, K=4, V=3)
+    x[bad] = torch.randn(*x[bad].shape[:-1], x[bad].shape[-1] + 1) if bad != "v" else torch.randn(1, 8, 3, 3)
+    with pytest.raises(RuntimeError):
+        torch.ops.gla_inductor.chunk_fwd(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], 1.0, True, False)
