@@ -3,14 +3,15 @@
 //     S_t = diag(a_t) S_{t-1} + k_t^T v_t        o_t = scale * q_t S_t        (a_t = exp(g_t))
 //
 // Why a step loop and not the chunked algorithm: per step and state element it does one multiply
-// and two fused multiply-adds on a state that stays in L1, about as few operations as the chunked
-// form's matmuls at K = V = 64, with no intermediates. ops.py calls it through ctypes
+// and two fused multiply-adds (5 flops) on a state that stays in L1, with no intermediates; the
+// chunked form's matmuls do 8 per state element and step at K = V = 64 and chunks of 64, and
+// reach matmul speed only on large tiles. ops.py calls it through ctypes
 // (gla_inductor/cpu_recurrent.py compiles it on first use) and keeps the chunked PyTorch forward
 // for fp64 and for machines without a C++ compiler.
 //
 // Work is split into units of (batch, head, tile of up to 32 values): a unit walks all T steps
 // with its [K, 32] slice of the state, the outputs of its 32 values accumulating in registers
-// over the K rows (four independent vectors: no chain of dependent adds longer than K).
+// over the K rows (four vectors, so four independent chains of dependent adds, not one).
 // Strides are in elements; the last dimension of every tensor is contiguous.
 
 #include <cstdint>
