@@ -4,8 +4,8 @@ Why not the chunked PyTorch forward: at issue 2's shape (B=2, T=512, H=4, K=V=64
 batched matmuls alone took ~2 ms of a ~4 ms call on a 2-core box, where the eager naive loop takes
 ~40 ms. The step loop does one multiply and two fused multiply-adds per state element and step, on
 a state tile that stays in L1, with no intermediates: ~0.9 ms with a vector gate
-(benchmarks/results/cpu-2026-11-23-step-loop.md). It computes what the time loop computes, step by step, so non-finite inputs and growing gates give
-the loop's own results.
+(benchmarks/results/cpu-2026-11-23-step-loop.md). It computes what the time loop computes, step by
+step, so non-finite inputs and growing gates give the loop's own results.
 
 The source is compiled on first use with the system's C++ compiler (the one Inductor's CPU backend
 needs too), into a per-user cache directory keyed by the source, the compiler and the flags, and
@@ -100,7 +100,7 @@ def compile_library(compiler: str, cache_dir: pathlib.Path) -> pathlib.Path:
 
 
 def load(compiler: Optional[str], cache_dir: pathlib.Path) -> Optional[ctypes.CDLL]:
-    """The kernel's library, or None (logged once per call) where it cannot be built or loaded."""
+    """The kernel's library, or None, with a warning, where it cannot be built or loaded."""
     try:
         if compiler is None:
             raise RuntimeError("no C++ compiler found (set CXX)")

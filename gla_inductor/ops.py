@@ -4,7 +4,8 @@ The ops are opaque to Dynamo and AOTAutograd: the forward graph holds one ``chun
 the backward graph one ``chunk_bwd`` node (through ``register_autograd``), which the lowerings can
 then replace by Triton templates. This module holds their CPU (and fallback) implementation: a
 chunked algorithm in plain PyTorch, O(T * BT * (K + V)) work per head, batched over all chunks at
-once but for the state recurrence, the only loop over chunks.
+once but for the state recurrence, the only loop over chunks. On CPU the forward runs the C++ step
+loop of ``cpu_recurrent`` instead wherever it applies (fp32 compute and a working C++ compiler).
 
 Notation, per (batch, head), after the [B, T, H, D] -> [B, H, NT, BT, D] chunking:
   BT    chunk length, a power of two; NT number of chunks (the last one zero-padded)

@@ -55,7 +55,7 @@ void walk_tile(const Args& x, int64_t b, int64_t h, int64_t j0) {
     vec vv[NV], acc[NV];
     for (int c = 0; c < NV; c++) {
       vv[c] = load(vt + c * kLanes);
-      acc[c] = vec{} ;
+      acc[c] = vec{};
     }
     float* row = S;
     for (int64_t i = 0; i < K; i++, row += V) {
