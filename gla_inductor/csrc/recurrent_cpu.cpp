@@ -40,26 +40,36 @@ struct Args {
   int reverse;
 };
 
+// What a unit reads and writes at step t: the rows of q, k, the decay (null without a gate), and its
+// values' slices of v and o.
+struct Rows {
+  const float *q, *k, *a, *v;
+  float* o;
+};
+
+inline Rows rows_at(const Args& x, int64_t b, int64_t h, int64_t j0, int64_t t) {
+  const int64_t hq = h / x.group;
+  return {x.q + b * x.sq[0] + t * x.sq[1] + hq * x.sq[2], x.k + b * x.sk[0] + t * x.sk[1] + hq * x.sk[2],
+          x.a ? x.a + b * x.sa[0] + t * x.sa[1] + h * x.sa[2] : nullptr,
+          x.v + b * x.sv[0] + t * x.sv[1] + h * x.sv[2] + j0, x.o + b * x.so[0] + t * x.so[1] + h * x.so[2] + j0};
+}
+
 // One unit with a whole tile of kTile values (NV vectors of them when the tile is narrower).
 template <int NV, bool Gated>
 void walk_tile(const Args& x, int64_t b, int64_t h, int64_t j0) {
   // locals, not x's fields: the stores through row could alias x as far as the compiler knows
-  const int64_t hq = h / x.group, K = x.K, V = x.V, sak = x.sa[3];
+  const int64_t K = x.K, V = x.V, sak = x.sa[3];
   float* S = x.state + (b * x.H + h) * K * V + j0;
   for (int64_t n = 0; n < x.T; n++) {
-    const int64_t t = x.reverse ? x.T - 1 - n : n;
-    const float* qt = x.q + b * x.sq[0] + t * x.sq[1] + hq * x.sq[2];
-    const float* kt = x.k + b * x.sk[0] + t * x.sk[1] + hq * x.sk[2];
-    const float* vt = x.v + b * x.sv[0] + t * x.sv[1] + h * x.sv[2] + j0;
-    const float* at = Gated ? x.a + b * x.sa[0] + t * x.sa[1] + h * x.sa[2] : nullptr;
+    const Rows r = rows_at(x, b, h, j0, x.reverse ? x.T - 1 - n : n);
     vec vv[NV], acc[NV];
     for (int c = 0; c < NV; c++) {
-      vv[c] = load(vt + c * kLanes);
+      vv[c] = load(r.v + c * kLanes);
       acc[c] = vec{};
     }
     float* row = S;
     for (int64_t i = 0; i < K; i++, row += V) {
-      const float ki = kt[i], qi = qt[i], ai = Gated ? at[i * sak] : 1.f;
+      const float ki = r.k[i], qi = r.q[i], ai = Gated ? r.a[i * sak] : 1.f;
       for (int c = 0; c < NV; c++) {
         vec s = load(row + c * kLanes);
         s = Gated ? s * ai + vv[c] * ki : s + vv[c] * ki;
@@ -67,32 +77,26 @@ void walk_tile(const Args& x, int64_t b, int64_t h, int64_t j0) {
         acc[c] += s * qi;
       }
     }
-    float* ot = x.o + b * x.so[0] + t * x.so[1] + h * x.so[2] + j0;
-    for (int c = 0; c < NV; c++) store(ot + c * kLanes, acc[c] * x.scale);
+    for (int c = 0; c < NV; c++) store(r.o + c * kLanes, acc[c] * x.scale);
   }
 }
 
 // The last values of a row, fewer than one vector: the same walk, one value at a time.
 template <bool Gated>
 void walk_rest(const Args& x, int64_t b, int64_t h, int64_t j0) {
-  const int64_t hq = h / x.group, width = x.V - j0;
+  const int64_t width = x.V - j0;
   float* S = x.state + (b * x.H + h) * x.K * x.V + j0;
   for (int64_t n = 0; n < x.T; n++) {
-    const int64_t t = x.reverse ? x.T - 1 - n : n;
-    const float* qt = x.q + b * x.sq[0] + t * x.sq[1] + hq * x.sq[2];
-    const float* kt = x.k + b * x.sk[0] + t * x.sk[1] + hq * x.sk[2];
-    const float* vt = x.v + b * x.sv[0] + t * x.sv[1] + h * x.sv[2] + j0;
-    const float* at = Gated ? x.a + b * x.sa[0] + t * x.sa[1] + h * x.sa[2] : nullptr;
+    const Rows r = rows_at(x, b, h, j0, x.reverse ? x.T - 1 - n : n);
     float acc[kLanes] = {};
     for (int64_t i = 0; i < x.K; i++) {
       float* row = S + i * x.V;
       for (int64_t c = 0; c < width; c++) {
-        row[c] = Gated ? row[c] * at[i * x.sa[3]] + kt[i] * vt[c] : row[c] + kt[i] * vt[c];
-        acc[c] += qt[i] * row[c];
+        row[c] = Gated ? row[c] * r.a[i * x.sa[3]] + r.k[i] * r.v[c] : row[c] + r.k[i] * r.v[c];
+        acc[c] += r.q[i] * row[c];
       }
     }
-    float* ot = x.o + b * x.so[0] + t * x.so[1] + h * x.so[2] + j0;
-    for (int64_t c = 0; c < width; c++) ot[c] = acc[c] * x.scale;
+    for (int64_t c = 0; c < width; c++) r.o[c] = acc[c] * x.scale;
   }
 }
 
