@@ -31,9 +31,9 @@ triton_kernels: bool = True
 # the kernel tests on an H100 (torch 2.11, triton 3.6; benchmarks/results/h100-2026-11-22.md).
 triton_gates: tuple = ("vector", "scalar", "constant", "none")
 
-# Run the forward on CPU as a step loop in C++ (gla_inductor/cpu_recurrent.py says why), compiled
-# on first use; False forces the chunked PyTorch forward, which fp64 and machines without a C++
-# compiler take anyway.
+# Run the ops on CPU as step loops in C++ (gla_inductor/cpu_recurrent.py says why), compiled on
+# first use; False forces the chunked PyTorch implementation, which fp64 and machines without a
+# C++ compiler take anyway.
 cpu_kernel: bool = True
 
 # Bytes of intermediates the CPU implementation may keep between calls, per thread

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import config
+from . import config, scratch
 
 log = logging.getLogger("gla_inductor")
 
@@ -109,10 +109,15 @@ def load(compiler: Optional[str], cache_dir: pathlib.Path) -> Optional[ctypes.CD
         log.warning("gla_inductor: the CPU forward kernel is unavailable, using the chunked PyTorch "
                     "forward: %s", e)
         return None
-    fn = lib.gla_recurrent_forward
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.POINTER(ctypes.c_int64)] * 2 + [
+    shape_and_strides = [ctypes.POINTER(ctypes.c_int64)] * 2
+    lib.gla_recurrent_forward.restype = ctypes.c_int
+    lib.gla_recurrent_forward.argtypes = [ctypes.c_void_p] * 6 + shape_and_strides + [
         ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.gla_recurrent_backward.restype = ctypes.c_int
+    lib.gla_recurrent_backward.argtypes = [ctypes.c_void_p] * 13 + shape_and_strides + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    lib.gla_recurrent_backward_work.restype = ctypes.c_int64
+    lib.gla_recurrent_backward_work.argtypes = [ctypes.c_int64] * 4
     return lib
 
 
@@ -162,6 +167,28 @@ def _ptr(x: Optional[Tensor]) -> Optional[int]:
     return None if x is None else x.data_ptr()
 
 
+def _initial_state(initial_state: Optional[Tensor], shape: tuple) -> Tensor:
+    """The first state as a fresh contiguous fp32 tensor, which the forward walks in place."""
+    if initial_state is None:
+        return torch.zeros(shape, dtype=torch.float32)
+    # copy_, not .to(memory_format=...): that returns an expanded (stride 0) tensor as it is
+    return torch.empty(shape, dtype=torch.float32).copy_(initial_state)
+
+
+def _shape_and_strides(q: Tensor, k: Tensor, v: Tensor, a_strides: tuple, o: Tensor):
+    """The kernels' shape (B, T, H, K, V, heads of v per head of q) and strides (q, k, v over
+    (batch, step, head), the decay's over (batch, step, head, key), o's over (batch, step, head))."""
+    B, T, G, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    shape = (ctypes.c_int64 * 6)(B, T, H, K, V, H // G if G else 1)
+    strides = (ctypes.c_int64 * 16)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *a_strides, *o.stride()[:3])
+    return shape, strides
+
+
+def _threads(units: int) -> int:
+    return max(1, min(torch.get_num_threads(), units))
+
+
 @torch.no_grad()
 def forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, out_dtype, state_dtype):
     """(o, final state or an empty tensor) like ``ops._chunk_fwd_torch``, from the step loop; None
@@ -175,14 +202,62 @@ def forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, rever
     q, k, v = _fp32(q), _fp32(k), _fp32(v)
     a, a_strides = _decay(q, g, g_gamma)
     o = torch.empty(B, T, H, V, dtype=torch.float32)
-    if initial_state is None:
-        state = torch.zeros(B, H, K, V, dtype=torch.float32)
-    else:
-        state = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    shape = (ctypes.c_int64 * 6)(B, T, H, K, V, H // G if G else 1)
-    strides = (ctypes.c_int64 * 16)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *a_strides, *o.stride()[:3])
-    threads = max(1, min(torch.get_num_threads(), B * H * -(-V // 32)))
+    state = _initial_state(initial_state, (B, H, K, V))
+    shape, strides = _shape_and_strides(q, k, v, a_strides, o)
     library().gla_recurrent_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(a), _ptr(o), _ptr(state), shape, strides,
-                                    scale, int(reverse), threads)
+                                    scale, int(reverse), _threads(B * H * -(-V // 32)))
     o = o if out_dtype == torch.float32 else o.to(out_dtype)
     return o, (state if output_final_state else q.new_empty(0, dtype=state_dtype))
+
+
+def _sum_groups(dx: Tensor, G: int, dtype: torch.dtype) -> Tensor:
+    """Per-head gradients [B, T, H, K] of q or k summed over the heads that share each of its G."""
+    return (dx if dx.shape[2] == G else dx.unflatten(2, (G, -1)).sum(3)).to(dtype)
+
+
+def _gate_grads(dg: Optional[Tensor], q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]):
+    """(dg, dg_gamma) shaped and typed like g and g_gamma from the per-key dg [B, T, H, K]; an empty
+    tensor for an absent input (``ops._split_gate_grad``'s convention)."""
+    if g is not None:
+        return (dg if g.dim() == 4 else dg.sum(-1)).to(g.dtype), q.new_empty(0)
+    if g_gamma is not None:
+        return q.new_empty(0), dg.sum((0, 1, 3)).to(g_gamma.dtype)
+    return q.new_empty(0), q.new_empty(0)  # two tensors: an op's outputs may not alias each other
+
+
+@torch.no_grad()
+def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
+    """(dq, dk, dv, dg, dg_gamma, dh0) like ``ops._chunk_bwd_torch``, from the step loop run back in
+    time; None when this path does not apply."""
+    B, T, G, K = q.shape
+    dtypes = [x.dtype for x in (q, k, v, g, g_gamma, initial_state, do, dht) if x is not None]
+    if torch.float64 in dtypes or q.device.type != "cpu" or not _fits(q, k, v, g, g_gamma, initial_state):
+        return None
+    H, V = v.shape[2], v.shape[3]
+    if do.shape != v.shape or dht is not None and tuple(dht.shape) != (B, H, K, V) or not available():
+        return None
+    q32, k32, v32, do32 = _fp32(q), _fp32(k), _fp32(v), _fp32(do).contiguous()
+    a, a_strides = _decay(q, g, g_gamma)
+    dq, dk, dg = (torch.empty(B, T, H, K) for _ in range(3))
+    dv, dh0 = torch.empty(B, T, H, V), torch.empty(B, H, K, V)
+    state = _initial_state(initial_state, (B, H, K, V))
+    dht32 = None if dht is None else dht.float().contiguous()  # autograd's dht may be expanded
+    shape, strides = _shape_and_strides(q32, k32, v32, a_strides, dv)
+    # states kept while walking back: one entering each chunk of `chunk` steps, and one chunk's
+    # states at a time; sqrt(T) keeps both small
+    chunk = max(8, min(64, math.isqrt(max(T, 1))))
+    threads = _threads(B * H)
+    # kept between calls (scratch.py): fresh pages each call cost more than the walk at small sizes
+    work = scratch.empty("cpu_backward_work", (threads * library().gla_recurrent_backward_work(T, K, V, chunk),),
+                         torch.float32, q.device)
+    library().gla_recurrent_backward(
+        _ptr(q32), _ptr(k32), _ptr(v32), _ptr(a), _ptr(state), _ptr(do32), _ptr(dht32), _ptr(dq), _ptr(dk),
+        _ptr(dv), _ptr(dg if a is not None else None), _ptr(dh0), _ptr(work), shape, strides, scale, int(reverse),
+        chunk, threads)
+    return (
+        _sum_groups(dq, G, q.dtype),
+        _sum_groups(dk, G, k.dtype),
+        dv.to(v.dtype),
+        *_gate_grads(dg, q, g, g_gamma),
+        q.new_empty(0) if initial_state is None else dh0.to(initial_state.dtype),
+    )

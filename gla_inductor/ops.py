@@ -874,7 +874,9 @@ def _chunk_bwd_impl(
                     gate=fn, gate_a=gate_a, gate_bias=gate_bias)
     x = g
     g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
-    grads = _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    grads = cpu_recurrent.backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
+    if grads is None:
+        grads = _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
     if fn.input_grad:
         dx = gate_grads(grads[3], x, fn, gate_a, gate_bias)[0].to(x.dtype)
         grads = (*grads[:3], dx, *grads[4:])

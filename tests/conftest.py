@@ -23,20 +23,20 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
-@pytest.fixture(params=["step_kernel", "chunked"])
-def cpu_forward(request):
-    """The test runs once with each CPU forward of the ops: the C++ step loop
-    (gla_inductor/cpu_recurrent.py), which the ops take on CPU, and the chunked PyTorch forward,
-    which they take for fp64, without a C++ compiler and as the CUDA fallback."""
+@pytest.fixture(params=["step_loop", "chunked"])
+def cpu_impl(request):
+    """The test runs once with each CPU implementation of the ops: the C++ step loops
+    (gla_inductor/cpu_recurrent.py), which the ops take on CPU, and the chunked PyTorch forward and
+    backward, which they take for fp64, without a C++ compiler and as the CUDA fallback."""
     from gla_inductor import config
 
-    with config.patch(cpu_kernel=request.param == "step_kernel"):
+    with config.patch(cpu_kernel=request.param == "step_loop"):
         yield request.param
 
 
 @pytest.fixture
-def chunked_forward():
-    """The ops' CPU forward is the chunked PyTorch one, for tests of that algorithm itself."""
+def chunked_impl():
+    """The ops' CPU implementation is the chunked PyTorch one, for tests of that algorithm itself."""
     from gla_inductor import config
 
     with config.patch(cpu_kernel=False):

@@ -132,7 +132,7 @@ def test_malformed_input_error(case):
         call(chunk_gla, build())
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 def test_mixed_float_dtypes_promote():
     """Float dtypes may differ: q, k, v promote (bf16 and fp32 give fp32 o), the rest computes in fp32."""
     inputs = make_inputs("scalar")
@@ -163,7 +163,7 @@ def forward_and_grads(fn, inputs, seed=1, **kw):
     return o, ht, dict(zip(leaves, grads))
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("B,T", [(0, 5), (2, 0), (0, 0), (2, 1)], ids=["B0", "T0", "B0-T0", "T1"])
 @pytest.mark.parametrize("with_h0", [False, True], ids=["zeros", "h0"])
@@ -222,7 +222,7 @@ def assert_nonfinite_like(got, ref, nan_only: bool, what: str, tol: float = 1e-5
     torch.testing.assert_close(got[ok].double(), ref[ok].double(), rtol=tol, atol=tol, msg=what)
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("gate,name,value", list(_nonfinite_cases()))
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
 def test_nonfinite_input_propagates_like_the_loop(gate, name, value, reverse):
@@ -234,7 +234,7 @@ def test_nonfinite_input_propagates_like_the_loop(gate, name, value, reverse):
     assert not torch.isfinite(o).all()  # the case is not vacuous
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("gate", ["vector", "scalar"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
 def test_scattered_nans_propagate_like_the_loop(gate, reverse):
@@ -251,7 +251,7 @@ def test_scattered_nans_propagate_like_the_loop(gate, reverse):
     assert torch.isfinite(o[0]).all() and not torch.isfinite(o[1:]).all()
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("gate", ["vector", "scalar", "constant"])
 def test_forget_gate_of_minus_inf(gate):
     """g = -inf (forget the state entirely) is finite in the loop, and must be here, with its gradients."""
@@ -289,7 +289,7 @@ def positive_gate(high):
 POSITIVE_TOL = 3e-5
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("gate", ["vector", "scalar", "constant"])
 @pytest.mark.parametrize("T", [64, 130, 256])
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
@@ -305,7 +305,7 @@ def test_positive_log_gates_match_the_loop(gate, T, reverse):
     assert ((ht.double() - ht_ref).abs().max() / ht_ref.abs().max()).item() <= POSITIVE_TOL
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("gate", ["vector", "scalar", "constant"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, POSITIVE_TOL)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
@@ -319,7 +319,7 @@ def test_positive_log_gates_grads(gate, dtype, tol, reverse):
         assert err <= tol, f"d{name}: {err:.2e}"
 
 
-@pytest.mark.usefixtures("cpu_forward")
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("gate", ["vector", "scalar", "constant"])
 @pytest.mark.parametrize("with_h0", [False, True], ids=["zeros", "h0"])
 def test_overflowing_state_is_never_nan_where_the_loop_is_finite(gate, with_h0):

@@ -1,7 +1,8 @@
-"""The CPU forward's C++ step loop (gla_inductor/cpu_recurrent.py): its value tiles, layouts and
-threads against the float64 loop, that the ops take it on CPU, and that they fall back to the
-chunked forward where it cannot be built. tests/test_ops.py and tests/test_bad_input.py run their
-CPU forward tests with it as well (the ``cpu_forward`` fixture)."""
+"""The ops' C++ step loops on CPU (gla_inductor/cpu_recurrent.py): the forward's value tiles, layouts
+and threads and the backward's gradients against the float64 loop, that the ops take them on CPU,
+and that they fall back to the chunked PyTorch implementation where they cannot be built.
+tests/test_ops.py and tests/test_bad_input.py run their CPU tests with both (the ``cpu_impl``
+fixture)."""
 
 import logging
 
@@ -94,6 +95,64 @@ def test_long_sequence_of_strong_decay():
     check(x)
 
 
+def check_grads(x, tol=1e-5, **kw):
+    """Gradients of every input through chunk_gla against autograd through the float64 loop."""
+    leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
+    ref_leaves = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    torch.manual_seed(1)
+    do = torch.randn(*x["v"].shape, dtype=torch.float64)
+    dht = torch.randn(*x["initial_state"].shape, dtype=torch.float64) if "initial_state" in x else None
+    for inputs, out in ((leaves, chunk_gla), (ref_leaves, naive_recurrent_gla)):
+        o, ht = out(**inputs, output_final_state=dht is not None, **kw)
+        loss = (o * do.to(o.dtype)).sum() + ((ht * dht.to(ht.dtype)).sum() if dht is not None else 0)
+        loss.backward()
+    for n in x:
+        got, want = leaves[n].grad, ref_leaves[n].grad
+        assert got.dtype == x[n].dtype and got.shape == x[n].shape, n
+        assert rel_err(got, want) <= tol, (n, rel_err(got, want))
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar", "constant", "none"])
+@pytest.mark.parametrize("V", [5, 24, 77])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_step_loop_grads_match_the_loop(gate, V, reverse, threads):
+    check_grads(make_inputs(gate, V=V), reverse=reverse)
+
+
+@pytest.mark.parametrize("T", [1, 8, 9, 70])  # chunks of 8 steps up to T = 80: exactly one, one more
+def test_step_loop_grads_across_chunk_ends(T):
+    check_grads(make_inputs("vector", T=T, V=12))
+
+
+def test_expanded_initial_state_and_output_gradients():
+    """Autograd hands the backward expanded (stride 0) gradients, e.g. those of a sum."""
+    x = make_inputs("vector", B=1, V=3)
+    x["initial_state"] = x["initial_state"][:, :, :1, :1].expand_as(x["initial_state"])
+    do, dht = torch.ones(1).expand_as(x["v"]), torch.ones(1).expand_as(x["initial_state"])
+    got = ops._chunk_bwd_impl(*(x.get(n) for n in ("q", "k", "v", "g", "g_gamma", "initial_state")), do, dht,
+                              0.5, False)
+    with config.patch(cpu_kernel=False):
+        want = ops._chunk_bwd_impl(*(x.get(n) for n in ("q", "k", "v", "g", "g_gamma", "initial_state")),
+                                   do.contiguous(), dht.contiguous(), 0.5, False)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and (b.numel() == 0 or rel_err(a, b.double()) <= 1e-5)
+    o, ht = chunk_gla(**x, output_final_state=True)
+    with config.patch(cpu_kernel=False):
+        o_ref, ht_ref = chunk_gla(**x, output_final_state=True)
+    assert rel_err(o, o_ref.double()) <= 1e-5 and rel_err(ht, ht_ref.double()) <= 1e-5
+
+
+def test_step_loop_grads_grouped_heads_without_state():
+    x = make_inputs("scalar", H=6, G=2, V=12)
+    del x["initial_state"]
+    check_grads(x, scale=0.7)
+
+
+def test_step_loop_grads_bf16():
+    check_grads(make_inputs("vector", dtype=torch.bfloat16), tol=1e-2)
+
+
 def test_ops_take_the_step_loop_on_cpu(monkeypatch):
     x = make_inputs("scalar")
     chunked, real = [], ops._fwd_torch
@@ -102,13 +161,24 @@ def test_ops_take_the_step_loop_on_cpu(monkeypatch):
         chunked.append(q.dtype)
         return real(q, *rest)
 
+    def bwd_torch(q, *rest):
+        chunked.append(("bwd", q.dtype))
+        return real_bwd(q, *rest)
+
+    real_bwd = ops._bwd_torch
     monkeypatch.setattr(ops, "_fwd_torch", fwd_torch)
-    chunk_gla(**x)
+    monkeypatch.setattr(ops, "_bwd_torch", bwd_torch)
+
+    def forward_backward(inputs):
+        leaves = {n: t.detach().requires_grad_() for n, t in inputs.items()}
+        chunk_gla(**leaves)[0].sum().backward()
+
+    forward_backward(x)
     assert chunked == []
     with config.patch(cpu_kernel=False):
-        chunk_gla(**x)
-    chunk_gla(**{n: t.double() for n, t in x.items()})  # fp64, the oracles' dtype: the chunked path
-    assert chunked == [torch.float32, torch.float64]
+        forward_backward(x)
+    forward_backward({n: t.double() for n, t in x.items()})  # fp64, the oracles' dtype: the chunked path
+    assert chunked == [torch.float32, ("bwd", torch.float32), torch.float64, ("bwd", torch.float64)]
 
 
 def test_compiled_once_per_cache_dir(tmp_path):

@@ -11,7 +11,7 @@ from gla_inductor.reference import naive_recurrent_gla
 GATES = ["none", "scalar", "vector", "constant"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread", "cpu_forward")
+pytestmark = pytest.mark.usefixtures("one_thread", "cpu_impl")
 
 def make_inputs(gate, B=2, T=65, H=2, K=5, V=6, dtype=torch.float64, with_h0=True, g_fn=None, seed=0):
     """Keyword inputs of chunk_gla; g_fn(shape) draws the log gate (default logsigmoid of a normal)."""

@@ -9,7 +9,7 @@ from gla_inductor import ops
 from gla_inductor.ops import chunk_gla
 from gla_inductor.reference import naive_recurrent_gla
 
-pytestmark = pytest.mark.usefixtures("one_thread", "chunked_forward")
+pytestmark = pytest.mark.usefixtures("one_thread", "chunked_impl")
 
 BT = ops.BT
 

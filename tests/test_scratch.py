@@ -13,6 +13,8 @@ from gla_inductor.reference import naive_recurrent_gla
 
 GATES = ("vector", "scalar", "none")
 
+pytestmark = pytest.mark.usefixtures("cpu_impl")  # the step loops keep the backward's buffer too
+
 
 def make_inputs(gate, B=2, T=2 * BT, H=1, K=8, V=4, seed=0, grad=False):
     gen = torch.Generator().manual_seed(seed)
