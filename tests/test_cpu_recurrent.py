@@ -95,6 +95,12 @@ def test_long_sequence_of_strong_decay():
     check(x)
 
 
+@pytest.fixture
+def every_gate_steps_back(monkeypatch):
+    """The backward's step loop for every gate kind, not only those the ops send to it."""
+    monkeypatch.setattr(cpu_recurrent, "BACKWARD_GATES", ("vector", "scalar", "constant", "none"))
+
+
 def check_grads(x, tol=1e-5, **kw):
     """Gradients of every input through chunk_gla against autograd through the float64 loop."""
     leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
@@ -116,6 +122,7 @@ def check_grads(x, tol=1e-5, **kw):
 @pytest.mark.parametrize("V", [5, 24, 77])
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.usefixtures("every_gate_steps_back")
 def test_step_loop_grads_match_the_loop(gate, V, reverse, threads):
     check_grads(make_inputs(gate, V=V), reverse=reverse)
 
@@ -143,6 +150,7 @@ def test_expanded_initial_state_and_output_gradients():
     assert rel_err(o, o_ref.double()) <= 1e-5 and rel_err(ht, ht_ref.double()) <= 1e-5
 
 
+@pytest.mark.usefixtures("every_gate_steps_back")
 def test_step_loop_grads_grouped_heads_without_state():
     x = make_inputs("scalar", H=6, G=2, V=12)
     del x["initial_state"]
@@ -173,6 +181,10 @@ def test_ops_take_the_step_loop_on_cpu(monkeypatch):
         leaves = {n: t.detach().requires_grad_() for n, t in inputs.items()}
         chunk_gla(**leaves)[0].sum().backward()
 
+    forward_backward(x)
+    assert chunked == [("bwd", torch.float32)]  # a scalar gate's backward: the chunked one
+    chunked.clear()
+    x = make_inputs("vector")
     forward_backward(x)
     assert chunked == []
     with config.patch(cpu_kernel=False):
