@@ -1,4 +1,4 @@
-"""The ops' forward on CPU: the recurrence as a step loop in C++ (``csrc/recurrent_cpu.cpp``).
+"""The ops on CPU: the recurrence as step loops in C++ (``csrc/recurrent_cpu.cpp``).
 
 Why not the chunked PyTorch forward: at issue 2's shape (B=2, T=512, H=4, K=V=64, fp32) its five
 batched matmuls alone took ~2 ms of a ~4 ms call on a 2-core box, where the eager naive loop takes
@@ -7,11 +7,14 @@ a state tile that stays in L1, with no intermediates: ~0.9 ms with a vector gate
 (benchmarks/results/cpu-2026-11-23-step-loop.md). It computes what the time loop computes, step by
 step, so non-finite inputs and growing gates give the loop's own results.
 
+The backward walks the recurrence back in time, re-walking the states chunk by chunk from the ones
+kept entering each chunk. The ops take it for vector gates only (``BACKWARD_GATES`` says why).
+
 The source is compiled on first use with the system's C++ compiler (the one Inductor's CPU backend
 needs too), into a per-user cache directory keyed by the source, the compiler and the flags, and
 loaded with ctypes. Where that fails, or for fp64 (the oracles' dtype, kept to the chunked path
-written in PyTorch), ``forward`` returns None and the caller takes the chunked implementation.
-The backward is the chunked one either way.
+written in PyTorch), ``forward`` and ``backward`` return None and the caller takes the chunked
+implementation.
 """
 
 from __future__ import annotations

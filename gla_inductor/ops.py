@@ -4,8 +4,9 @@ The ops are opaque to Dynamo and AOTAutograd: the forward graph holds one ``chun
 the backward graph one ``chunk_bwd`` node (through ``register_autograd``), which the lowerings can
 then replace by Triton templates. This module holds their CPU (and fallback) implementation: a
 chunked algorithm in plain PyTorch, O(T * BT * (K + V)) work per head, batched over all chunks at
-once but for the state recurrence, the only loop over chunks. On CPU the forward runs the C++ step
-loop of ``cpu_recurrent`` instead wherever it applies (fp32 compute and a working C++ compiler).
+once but for the state recurrence, the only loop over chunks. On CPU the forward (and the backward
+of vector gates) runs the C++ step loops of ``cpu_recurrent`` instead wherever they apply (fp32
+compute and a working C++ compiler).
 
 Notation, per (batch, head), after the [B, T, H, D] -> [B, H, NT, BT, D] chunking:
   BT    chunk length, a power of two; NT number of chunks (the last one zero-padded)

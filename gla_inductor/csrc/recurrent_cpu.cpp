@@ -1,4 +1,4 @@
-// The GLA recurrence on CPU, one step at a time, for the forward of gla_inductor's ops.
+// The GLA recurrence on CPU, one step at a time, for the forward and backward of gla_inductor's ops.
 //
 //     S_t = diag(a_t) S_{t-1} + k_t^T v_t        o_t = scale * q_t S_t        (a_t = exp(g_t))
 //
@@ -6,8 +6,8 @@
 // and two fused multiply-adds (5 flops) on a state that stays in L1, with no intermediates; the
 // chunked form's matmuls do 8 per state element and step at K = V = 64 and chunks of 64, and
 // reach matmul speed only on large tiles. ops.py calls it through ctypes
-// (gla_inductor/cpu_recurrent.py compiles it on first use) and keeps the chunked PyTorch forward
-// for fp64 and for machines without a C++ compiler.
+// (gla_inductor/cpu_recurrent.py compiles it on first use) and keeps the chunked PyTorch
+// implementation for fp64 and for machines without a C++ compiler.
 //
 // Work is split into units of (batch, head, tile of up to 32 values): a unit walks all T steps
 // with its [K, 32] slice of the state, the outputs of its 32 values accumulating in registers
@@ -135,12 +135,13 @@ void walk(const Args& x, int64_t b, int64_t h, Unit u) {
 // ------------------------------------------------------------------------------------------------
 // Backward. D_t, the gradient w.r.t. S_t, runs the recurrence back in time:
 //
-//     D_t = scale * q_t^T do_t + diag(a_{t+1}) D_{t+1}          (D_{T-1} starts from dht)
+//     D_t = scale * q_t^T do_t + diag(a_{t+1}) D_{t+1}          (dht in place of D_T)
 //     dq_t = scale * S_t do_t     dk_t = D_t v_t     dv_t = k_t D_t     dg_t = a_t * rowsum(D_t * S_{t-1})
 //
-// and dh0 = diag(a_0) D_0. It needs the states S_t in reverse order: the forward walk keeps the state
-// entering every chunk of `chunk` steps, and each chunk's states are walked again into a buffer
-// before the chunk is walked back. A unit is a whole (batch, head): dq, dk and dg sum over all V.
+// with diag(a_T) = 1, and dh0 = diag(a_0) D_0; t counts steps in the order the recurrence takes them
+// (T-1 down to 0 with reverse). It needs the states S_t in reverse order: the forward walk keeps the
+// state entering every chunk of `chunk` steps, and each chunk's states are walked again into a
+// buffer before the chunk is walked back. A unit is a whole (batch, head): dq, dk and dg sum over all V.
 // ------------------------------------------------------------------------------------------------
 
 struct Grads {
@@ -151,12 +152,10 @@ struct Grads {
   int64_t chunk;
 };
 
-// The floats a unit of the backward keeps: the state entering each chunk, one chunk's states (each
-// padded, see backward_unit), D and a row of dv.
-inline int64_t padded(int64_t KV) { return KV + 24; }
-
+// The floats a unit of the backward keeps: the state entering each chunk, the chunk + 1 states of
+// one chunk, D and a row of dv.
 int64_t backward_work(int64_t T, int64_t K, int64_t V, int64_t chunk) {
-  return (T + chunk - 1) / chunk * K * V + (chunk + 2) * padded(K * V) + V;
+  return ((T + chunk - 1) / chunk + chunk + 2) * K * V + V;
 }
 
 // The sum of a vector's lanes as a tree (three dependent adds, not seven: one row's three sums are
@@ -223,11 +222,8 @@ void step_back(const Args& x, const Grads& y, const Rows& r, int64_t b, int64_t 
 template <bool Gated>
 void backward_unit(const Args& x, const Grads& y, int64_t b, int64_t h, float* work) {
   const int64_t K = x.K, V = x.V, KV = K * V, T = x.T, C = y.chunk, chunks = (T + C - 1) / C;
-  // one chunk's states one after another, each padded: the rows of S_t, S_{t-1} and D that a step
-  // reads together would otherwise lie a multiple of 4 KB apart at K = V = 64
-  const int64_t KVp = padded(KV);
-  float *entering = work, *states = entering + chunks * KV, *D = states + (C + 1) * KVp;
-  float* dv_row = D + KVp;
+  float *entering = work, *states = entering + chunks * KV, *D = states + (C + 1) * KV;
+  float* dv_row = D + KV;
   auto time = [&](int64_t n) { return x.reverse ? T - 1 - n : n; };
   auto rows = [&](int64_t n) { return rows_at(x, b, h, 0, time(n)); };
 
@@ -241,9 +237,9 @@ void backward_unit(const Args& x, const Grads& y, int64_t b, int64_t h, float* w
   for (int64_t c = chunks - 1; c >= 0; c--) {
     const int64_t n0 = c * C, steps = std::min(C, T - n0);
     std::memcpy(states, entering + c * KV, KV * sizeof(float));
-    for (int64_t m = 0; m < steps; m++) state_step<Gated>(x, rows(n0 + m), states + m * KVp, states + (m + 1) * KVp);
+    for (int64_t m = 0; m < steps; m++) state_step<Gated>(x, rows(n0 + m), states + m * KV, states + (m + 1) * KV);
     for (int64_t m = steps - 1; m >= 0; m--)
-      step_back<Gated>(x, y, rows(n0 + m), b, time(n0 + m), h, states + (m + 1) * KVp, states + m * KVp, D, dv_row);
+      step_back<Gated>(x, y, rows(n0 + m), b, time(n0 + m), h, states + (m + 1) * KV, states + m * KV, D, dv_row);
   }
   std::memcpy(y.dh0 + (b * x.H + h) * KV, D, KV * sizeof(float));
 }
