@@ -231,7 +231,7 @@ def _gate_grads(dg: Optional[Tensor], q: Tensor, g: Optional[Tensor], g_gamma: O
 # Gate kinds whose backward takes the step loop. At issue 2's shape (cpu_op.py, 2 threads) it took
 # 7.1 against the chunked backward's 15.4 ms with a vector gate, but 7.7 against 8.7 with a scalar
 # gate and 6.4 against 5.6 without one: each row's three sums over V (dq, dk, dg) cost about as much
-# as the row's work at V = 64, and the chunked backward of these gates has no per-key decays to pay.
+# as the row's own work at V = 64 (benchmarks/results/cpu-2026-11-23-step-loop.md).
 BACKWARD_GATES = ("vector",)
 
 
@@ -265,7 +265,7 @@ def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     # states at a time; sqrt(T) keeps both small
     chunk = max(8, min(64, math.isqrt(max(T, 1))))
     threads = _threads(B * H)
-    # kept between calls (scratch.py): fresh pages each call cost more than the walk at small sizes
+    # kept between calls (scratch.py says why): ~0.8 MB per thread at issue 2's shape
     work = scratch.empty("cpu_backward_work", (threads * library().gla_recurrent_backward_work(T, K, V, chunk),),
                          torch.float32, q.device)
     library().gla_recurrent_backward(
