@@ -37,11 +37,11 @@ def main():
     gates = {"vector": F.logsigmoid(torch.randn(2, 512, 4, 64)), "scalar": F.logsigmoid(torch.randn(2, 512, 4)),
              "none": None}
     f32 = torch.float32
+    # every gate kind through the backward's step loop, also those the ops leave to the chunked one
+    cpu_recurrent.BACKWARD_GATES = ("vector", "scalar", "constant", "none")
     for name, g in gates.items():
         step = per_call(lambda: cpu_recurrent.forward(q, k, v, g, None, None, 0.125, False, False, f32, f32))
         fwd = per_call(lambda: _chunk_fwd_torch(q, k, v, g, None, None, 0.125, False, False))
-        # every gate kind through the backward's step loop, also those the ops leave to the chunked one
-        cpu_recurrent.BACKWARD_GATES = ("vector", "scalar", "constant", "none")
         step_bwd = per_call(lambda: cpu_recurrent.backward(q, k, v, g, None, None, do, None, 0.125, False))
         bwd = per_call(lambda: _chunk_bwd_torch(q, k, v, g, None, None, do, None, 0.125, False))
         print(f"{name:6s} forward: step loop {step[0]:.2f} ms, {step[1]:.0f} faults; chunked {fwd[0]:.2f} ms, "

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import config, scratch
+from .cuda_dispatch import gate_kind
 
 log = logging.getLogger("gla_inductor")
 
@@ -139,7 +140,7 @@ def _fp32(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def _decay(q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]) -> tuple[Optional[Tensor], tuple]:
+def _decay(g: Optional[Tensor], g_gamma: Optional[Tensor]) -> tuple[Optional[Tensor], tuple]:
     """exp of the log gate, and its strides over (batch, step, head, key): 0 where it is shared."""
     if g is not None:
         # exp2 of g in log2 units: 0.08 against 0.17 ms for exp at issue 2's shape, a tenth of the
@@ -203,7 +204,7 @@ def forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, rever
     B, T, G, K = q.shape
     H, V = v.shape[2], v.shape[3]
     q, k, v = _fp32(q), _fp32(k), _fp32(v)
-    a, a_strides = _decay(q, g, g_gamma)
+    a, a_strides = _decay(g, g_gamma)
     o = torch.empty(B, T, H, V, dtype=torch.float32)
     state = _initial_state(initial_state, (B, H, K, V))
     shape, strides = _shape_and_strides(q, k, v, a_strides, o)
@@ -211,11 +212,6 @@ def forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, rever
                                     scale, int(reverse), _threads(B * H * -(-V // 32)))
     o = o if out_dtype == torch.float32 else o.to(out_dtype)
     return o, (state if output_final_state else q.new_empty(0, dtype=state_dtype))
-
-
-def _sum_groups(dx: Tensor, G: int, dtype: torch.dtype) -> Tensor:
-    """Per-head gradients [B, T, H, K] of q or k summed over the heads that share each of its G."""
-    return (dx if dx.shape[2] == G else dx.unflatten(2, (G, -1)).sum(3)).to(dtype)
 
 
 def _gate_grads(dg: Optional[Tensor], q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]):
@@ -235,17 +231,11 @@ def _gate_grads(dg: Optional[Tensor], q: Tensor, g: Optional[Tensor], g_gamma: O
 BACKWARD_GATES = ("vector",)
 
 
-def _gate_kind(g: Optional[Tensor], g_gamma: Optional[Tensor]) -> str:
-    if g is not None:
-        return "vector" if g.dim() == 4 else "scalar"
-    return "constant" if g_gamma is not None else "none"
-
-
 @torch.no_grad()
 def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     """(dq, dk, dv, dg, dg_gamma, dh0) like ``ops._chunk_bwd_torch``, from the step loop run back in
     time; None when this path does not apply (and for the gate kinds not in BACKWARD_GATES)."""
-    if _gate_kind(g, g_gamma) not in BACKWARD_GATES:
+    if gate_kind(g, g_gamma) not in BACKWARD_GATES:
         return None
     B, T, G, K = q.shape
     dtypes = [x.dtype for x in (q, k, v, g, g_gamma, initial_state, do, dht) if x is not None]
@@ -255,7 +245,7 @@ def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     if do.shape != v.shape or dht is not None and tuple(dht.shape) != (B, H, K, V) or not available():
         return None
     q32, k32, v32, do32 = _fp32(q), _fp32(k), _fp32(v), _fp32(do).contiguous()
-    a, a_strides = _decay(q, g, g_gamma)
+    a, a_strides = _decay(g, g_gamma)
     dq, dk, dg = (torch.empty(B, T, H, K) for _ in range(3))
     dv, dh0 = torch.empty(B, T, H, V), torch.empty(B, H, K, V)
     state = _initial_state(initial_state, (B, H, K, V))
@@ -272,9 +262,11 @@ def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
         _ptr(q32), _ptr(k32), _ptr(v32), _ptr(a), _ptr(state), _ptr(do32), _ptr(dht32), _ptr(dq), _ptr(dk),
         _ptr(dv), _ptr(dg if a is not None else None), _ptr(dh0), _ptr(work), shape, strides, scale, int(reverse),
         chunk, threads)
+    from .ops import sum_groups  # imported here: ops imports this module
+
     return (
-        _sum_groups(dq, G, q.dtype),
-        _sum_groups(dk, G, k.dtype),
+        sum_groups(dq, G, q.dtype),
+        sum_groups(dk, G, k.dtype),
         dv.to(v.dtype),
         *_gate_grads(dg, q, g, g_gamma),
         q.new_empty(0) if initial_state is None else dh0.to(initial_state.dtype),
