@@ -1,0 +1,334 @@
+"""What a GLA call is: one frozen record that every stage reads by name, and the rules of the op.
+
+    o_t = scale * q_t S_t,   S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t
+
+Recognizers describe what they found as a ``GLACall`` of graph nodes, the emitter turns it into the
+op's arguments (``op_args``), the custom ops turn their arguments back into a ``GLACall`` of tensors
+(``from_op_args``), and dispatch, the implementations, the kernels and the lowerings read its fields.
+Nobody indexes op arguments by position: adding an argument (packed-sequence offsets, state-pool
+indices) means adding a field here and a name to the schema tuple.
+
+The rules shared by every implementation live here too: gate kinds, grouped heads, dtypes, and the
+validation of the public functions' inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .gates import GateFn, log_gate
+
+__all__ = [
+    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "FLOAT_DTYPES", "GLACall", "RECURRENT_ARGS", "compute_dtype", "gate_kind",
+    "group_size", "output_dtype", "repeat_groups", "sum_groups", "validate_gate", "validate_inputs",
+]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# The ops' schemas, argument by argument (their implementations' signatures must match: a test checks).
+CHUNK_FWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "output_final_state", "reverse",
+                  "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias")
+CHUNK_BWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "do", "dht", "scale", "reverse",
+                  "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias")
+RECURRENT_ARGS = ("q", "k", "v", "g", "g_gamma", "state", "scale", "reverse")
+
+# Values of the trailing arguments that a call may leave out (the schemas' defaults).
+_DEFAULTS = {"gate_fn": "", "gate_scale": 1.0, "gate_lo": None, "gate_hi": None, "gate_a": None, "gate_bias": None}
+
+
+@dataclass(frozen=True, eq=False)  # tensors compare elementwise: a call is equal only to itself
+class GLACall:
+    """One GLA computation. The tensor fields hold tensors, graph nodes or IR nodes, whichever the
+    stage works with; ``gate_kind`` and ``group_size`` read shapes from any of them.
+
+    q, k: [B, T, G, K] with G dividing H (grouped heads; G == H usually); v: [B, T, H, V];
+    g: log gate [B, T, H, K] (vector) or [B, T, H] (scalar), or, with a fused ``gate``, that
+    function's input; g_gamma: [H] constant log gate; initial_state: [B, H, K, V];
+    gate_a [H], gate_bias [H] or [H, K]: the parameters of a "softplus" gate.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    g: Any = None
+    g_gamma: Any = None
+    initial_state: Any = None
+    scale: float = 1.0
+    output_final_state: bool = False
+    reverse: bool = False
+    gate: GateFn = GateFn()
+    gate_a: Any = None
+    gate_bias: Any = None
+
+    # ---- derived facts --------------------------------------------------------------------------
+    @property
+    def gate_kind(self) -> str:
+        """"vector", "scalar", "constant" or "none"."""
+        return gate_kind(self.g, self.g_gamma)
+
+    @property
+    def group_size(self) -> int:
+        """Heads of v per head of q and k."""
+        return group_size(self.q, self.v)
+
+    @property
+    def fused_gate(self) -> bool:
+        return bool(self.gate.name)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return compute_dtype(self.q, self.k, self.v, self.g, self.g_gamma, self.initial_state, self.gate_a,
+                             self.gate_bias)
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        return output_dtype(self.q, self.k, self.v)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """dtype of the final state: fp32, or fp64 when the op computes in fp64."""
+        return compute_dtype(self.q, self.k, self.v, self.g, self.g_gamma, self.initial_state)
+
+    def tensors(self) -> dict[str, Any]:
+        """The tensor inputs by name, absent ones included as None."""
+        return dict(q=self.q, k=self.k, v=self.v, g=self.g, g_gamma=self.g_gamma, initial_state=self.initial_state,
+                    gate_a=self.gate_a, gate_bias=self.gate_bias)
+
+    def replace(self, **changes) -> "GLACall":
+        return dataclasses.replace(self, **changes)
+
+    def with_log_gate(self) -> "GLACall":
+        """The same call with a fused gate function applied: g becomes the log gate itself, computed
+        in the compute dtype (the PyTorch implementations read log gates)."""
+        if not self.fused_gate:
+            return self
+        g = log_gate(self.g, self.gate, self.gate_a, self.gate_bias, self.compute_dtype)
+        return self.replace(g=g, gate=GateFn(), gate_a=None, gate_bias=None)
+
+    # ---- the ops' arguments ---------------------------------------------------------------------
+    def _named(self, **extra) -> dict[str, Any]:
+        fn = self.gate
+        return dict(self.tensors(), scale=float(self.scale), output_final_state=bool(self.output_final_state),
+                    reverse=bool(self.reverse), gate_fn=fn.name, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi,
+                    **extra)
+
+    def op_args(self) -> tuple:
+        """``chunk_fwd``'s positional arguments, trailing defaults left out."""
+        return _positional(CHUNK_FWD_ARGS, self._named())
+
+    def bwd_op_args(self, do, dht) -> tuple:
+        """``chunk_bwd``'s positional arguments for the output gradients do and dht."""
+        return _positional(CHUNK_BWD_ARGS, self._named(do=do, dht=dht))
+
+    def recurrent_op_args(self, state) -> tuple:
+        """``fused_recurrent``'s arguments: the state it reads and overwrites takes initial_state's place."""
+        return _positional(RECURRENT_ARGS, self._named(state=state))
+
+    @classmethod
+    def from_op_args(cls, args: Sequence, kwargs: Optional[dict] = None, names: Sequence[str] = CHUNK_FWD_ARGS
+                     ) -> "GLACall":
+        """The call that op arguments (positional and keyword, by the schema ``names``) describe;
+        extra arguments of the schema (do, dht) are ignored, a fused_recurrent's state is the
+        initial state."""
+        named = dict(_DEFAULTS, **dict(zip(names, args)), **(kwargs or {}))
+        if "state" in named:
+            named["initial_state"] = named.pop("state")
+        gate = GateFn(named["gate_fn"], float(named["gate_scale"]), named["gate_lo"], named["gate_hi"])
+        return cls(q=named["q"], k=named["k"], v=named["v"], g=named.get("g"), g_gamma=named.get("g_gamma"),
+                   initial_state=named.get("initial_state"), scale=named.get("scale", 1.0),
+                   output_final_state=bool(named.get("output_final_state", "state" in names)),
+                   reverse=bool(named.get("reverse", False)), gate=gate, gate_a=named["gate_a"],
+                   gate_bias=named["gate_bias"])
+
+
+def _positional(names: Sequence[str], named: dict) -> tuple:
+    """The arguments in schema order; the fused gate's (the schema's defaulted tail) only when one
+    of them differs from its default, as the op calls of the graphs have always been written."""
+    args = [named[n] for n in names]
+    tail = [i for i, n in enumerate(names) if n in _DEFAULTS]
+    if tail and all(_is_default(args[i], _DEFAULTS[names[i]]) for i in tail):
+        args = args[:tail[0]]
+    return tuple(args)
+
+
+def _is_default(x, default) -> bool:
+    return x is None if default is None else type(x) is type(default) and x == default
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes of tensors, graph nodes and IR nodes alike
+# ----------------------------------------------------------------------------------------------
+
+
+def _shape(x) -> tuple:
+    if hasattr(x, "shape"):
+        return tuple(x.shape)
+    if hasattr(x, "meta"):  # an fx node
+        val = x.meta.get("val", x.meta.get("example_value"))
+        return tuple(val.shape)
+    return tuple(x.get_size())  # an Inductor IR node
+
+
+def gate_kind(g, g_gamma) -> str:
+    if g is not None:
+        return "vector" if len(_shape(g)) == 4 else "scalar"
+    return "constant" if g_gamma is not None else "none"
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped heads: q, k [B, T, G, K] shared by groups of H / G heads of v (GQA; Mamba2's C and B)
+# ----------------------------------------------------------------------------------------------
+
+
+def group_size(q, v) -> int:
+    """Heads of v per head of q and k: head h reads q/k head h // group_size, the order of
+    ``x.repeat_interleave(group_size, dim=2)``. 1 when they have as many heads."""
+    G, H = _shape(q)[2], _shape(v)[2]
+    return H // G if G else 1
+
+
+def repeat_groups(x: Tensor, H: int) -> Tensor:
+    """q or k [B, T, G, D] repeated to H heads (repeat_interleave order); x itself when G == H."""
+    G = x.shape[2]
+    return x if G == H else x.repeat_interleave(H // G, dim=2)
+
+
+def sum_groups(dx: Tensor, G: int, dtype: torch.dtype) -> Tensor:
+    """Per-head gradients [B, T, H, D] of a q or k shared by groups of heads, summed over each group
+    to [B, T, G, D] in dtype (the transpose of ``repeat_groups``; at least fp32 accumulation). dx
+    itself, cast, when G == H."""
+    if dx.shape[2] == G:
+        return dx if dx.dtype == dtype else dx.to(dtype)
+    acc = torch.promote_types(dx.dtype, torch.float32)
+    return dx.unflatten(2, (G, -1)).sum(3, dtype=acc).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtypes
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    # fp64 oracles must stay fp64 end to end; every other dtype accumulates in fp32
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def output_dtype(q: Tensor, k: Tensor, v: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation of the public functions' inputs (the ops themselves trust their callers)
+# ----------------------------------------------------------------------------------------------
+
+
+def _shape_str(dims) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _check_tensor(api: str, name: str, x) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{api}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{api}: {name} has dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
+
+
+def _check_shape(api: str, name: str, x: Tensor, q: Tensor, layout: str, expected: tuple) -> None:
+    """Raise unless x has the ``expected`` shape; None entries of ``expected`` are free."""
+    if x.dim() == len(expected) and all(e is None or d == e for d, e in zip(x.shape, expected)):
+        return
+    letters = layout.strip("[]").split(", ")
+    want = _shape_str(letter if e is None else e for letter, e in zip(letters, expected))
+    raise ValueError(
+        f"{api}: {name} has shape {tuple(x.shape)} but q has shape {tuple(q.shape)}; "
+        f"expected {name} to be {layout} = {want}"
+    )
+
+
+def _check_groups(api: str, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Grouped heads: k shaped like q, [B, T, G, K], and v [B, T, H, V] with H a multiple of G."""
+    B, T, G, K = q.shape
+    if k.dim() == 4 and k.shape[:2] == (B, T) and k.shape[2] != G and k.shape[3] == K:
+        raise ValueError(
+            f"{api}: k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}; expected k to be "
+            f"[B, T, G, K] = {_shape_str((B, T, G, K))}: q and k must have the same number of heads G "
+            "(each shared by H / G heads of v)")
+    _check_shape(api, "k", k, q, "[B, T, H, K]", (B, T, G, K))
+    H = v.shape[2] if v.dim() == 4 else -1
+    if v.dim() == 4 and v.shape[:2] == (B, T) and (H == G or G > 0 and H > 0 and H % G == 0):
+        return
+    raise ValueError(
+        f"{api}: v has shape {tuple(v.shape)} but q has shape {tuple(q.shape)}; expected v to be "
+        f"[B, T, H, V] = {_shape_str((B, T, G, 'V'))}, or with H any multiple of q and k's {G} heads "
+        f"(grouped heads: head h reads q/k head h // (H / {G}))")
+
+
+def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla", grouped: bool = False) -> None:
+    """Clear errors naming the tensor and the shape expected, prefixed by the public function ``api``.
+    With grouped, q and k may have fewer heads than v (a divisor of v's)."""
+    named = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "initial_state": initial_state}
+    for name, x in named.items():
+        if x is not None or name in ("q", "k", "v"):
+            _check_tensor(api, name, x)
+    if q.dim() != 4:
+        raise ValueError(f"{api}: q has shape {tuple(q.shape)}; expected q to be 4-D [B, T, H, K]")
+    B, T, H, K = q.shape
+    if grouped:
+        _check_groups(api, q, k, v)
+        H = v.shape[2]
+    else:
+        _check_shape(api, "k", k, q, "[B, T, H, K]", (B, T, H, K))
+        _check_shape(api, "v", v, q, "[B, T, H, V]", (B, T, H, None))
+    if g is not None and g_gamma is not None:
+        raise ValueError(f"{api}: got both g and g_gamma; pass at most one gate")
+    if g is not None and g.dim() == 3:
+        _check_shape(api, "g", g, q, "[B, T, H]", (B, T, H))
+    elif g is not None and g.dim() == 4:
+        _check_shape(api, "g", g, q, "[B, T, H, K]", (B, T, H, K))
+    elif g is not None:
+        raise ValueError(
+            f"{api}: g has shape {tuple(g.shape)} but q has shape {tuple(q.shape)}; expected g to be "
+            f"[B, T, H, K] = {_shape_str((B, T, H, K))} (vector gate) or [B, T, H] = {_shape_str((B, T, H))} "
+            "(scalar gate)"
+        )
+    if g_gamma is not None:
+        _check_shape(api, "g_gamma", g_gamma, q, "[H]", (H,))
+    if initial_state is not None:
+        _check_shape(api, "initial_state", initial_state, q, "[B, H, K, V]", (B, H, K, v.shape[-1]))
+    for name, x in named.items():
+        if x is not None and x.device != q.device:
+            raise ValueError(
+                f"{api}: {name} is on {x.device} but q is on {q.device}; all tensors must share one device"
+            )
+
+
+def validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias, *, api: str = "chunk_gla") -> None:
+    """Clear errors for a fused gate's inputs."""
+    if not fn.name:
+        if gate_a is not None or gate_bias is not None:
+            raise ValueError(f"{api}: gate_a and gate_bias need gate_fn='softplus'")
+        return
+    if g is None:
+        raise ValueError(f"{api}: gate_fn={fn.name!r} needs g, the gate function's input")
+    if fn.name == "logsigmoid" and (gate_a is not None or gate_bias is not None):
+        raise ValueError(f"{api}: gate_a and gate_bias belong to gate_fn='softplus'")
+    if fn.name == "softplus":
+        H = g.shape[2]  # v's heads (q's may be fewer)
+        heads = tuple(g.shape[2:])
+        layout = "[H]" if g.dim() == 3 else "[H, K]"
+        for name, x, want, want_layout in (("gate_a", gate_a, (H,), "[H]"), ("gate_bias", gate_bias, heads, layout)):
+            if x is None:
+                raise ValueError(f"{api}: gate_fn='softplus' needs {name} {want_layout} = {_shape_str(want)}")
+            _check_tensor(api, name, x)
+            if tuple(x.shape) != want:
+                raise ValueError(f"{api}: {name} has shape {tuple(x.shape)}; expected {want_layout} = "
+                                 f"{_shape_str(want)} for g of shape {tuple(g.shape)}")
+            if x.device != q.device:
+                raise ValueError(f"{api}: {name} is on {x.device} but q is on {q.device}")
