@@ -7,15 +7,19 @@ Logs go to the "gla_inductor" logger; TORCH_LOGS="gla_inductor" shows them.
 
 from . import config
 from .backend import backend
+from .contract import LayoutWarning
 from .explain import explain
-from .cuda_dispatch import chunk_bwd_cuda, chunk_fwd_cuda, fused_recurrent_cuda
-from .decode import fused_recurrent_gla
-from .decode import register_cuda_impl as _register_decode_cuda_impl
-from .ops import chunk_gla, register_cuda_impl
+from .ops import chunk_gla, fused_recurrent_gla
+from .ops.chunk import on_first_trace
 
-# CUDA tensors run the Triton kernels (imported on first use, not here).
-register_cuda_impl(fwd=chunk_fwd_cuda, bwd=chunk_bwd_cuda)
-_register_decode_cuda_impl(fused_recurrent_cuda)
 
-__all__ = ["backend", "chunk_gla", "config", "explain", "fused_recurrent_gla", "register_cuda_impl"]
+def _register_lowerings() -> None:
+    """Inductor lowers our ops with ``gla_inductor.lowerings``. A graph reaches Inductor only after
+    its ops were traced through their fake implementations, which call this first: importing
+    Inductor with the package itself would slow every ``import gla_inductor``."""
+    from . import lowerings  # noqa: F401
 
+
+on_first_trace(_register_lowerings)
+
+__all__ = ["LayoutWarning", "backend", "chunk_gla", "config", "explain", "fused_recurrent_gla"]

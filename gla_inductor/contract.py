@@ -24,7 +24,8 @@ from torch import Tensor
 from .gates import GateFn, log_gate
 
 __all__ = [
-    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "FLOAT_DTYPES", "GLACall", "RECURRENT_ARGS", "compute_dtype", "gate_kind",
+    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning", "RECURRENT_ARGS", "compute_dtype",
+    "gate_kind",
     "group_size", "output_dtype", "repeat_groups", "sum_groups", "validate_gate", "validate_inputs",
 ]
 
@@ -117,9 +118,10 @@ class GLACall:
                     reverse=bool(self.reverse), gate_fn=fn.name, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi,
                     **extra)
 
-    def op_args(self) -> tuple:
-        """``chunk_fwd``'s positional arguments, trailing defaults left out."""
-        return _positional(CHUNK_FWD_ARGS, self._named())
+    def op_args(self, full: bool = False) -> tuple:
+        """``chunk_fwd``'s positional arguments, the fused gate's left out where they are all
+        defaults (unless ``full``)."""
+        return _positional(CHUNK_FWD_ARGS, self._named(), trim=not full)
 
     def bwd_op_args(self, do, dht) -> tuple:
         """``chunk_bwd``'s positional arguments for the output gradients do and dht."""
@@ -146,12 +148,12 @@ class GLACall:
                    gate_bias=named["gate_bias"])
 
 
-def _positional(names: Sequence[str], named: dict) -> tuple:
+def _positional(names: Sequence[str], named: dict, trim: bool = True) -> tuple:
     """The arguments in schema order; the fused gate's (the schema's defaulted tail) only when one
     of them differs from its default, as the op calls of the graphs have always been written."""
     args = [named[n] for n in names]
     tail = [i for i, n in enumerate(names) if n in _DEFAULTS]
-    if tail and all(_is_default(args[i], _DEFAULTS[names[i]]) for i in tail):
+    if trim and tail and all(_is_default(args[i], _DEFAULTS[names[i]]) for i in tail):
         args = args[:tail[0]]
     return tuple(args)
 
@@ -227,6 +229,10 @@ def output_dtype(q: Tensor, k: Tensor, v: Tensor) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 # validation of the public functions' inputs (the ops themselves trust their callers)
 # ----------------------------------------------------------------------------------------------
+
+
+class LayoutWarning(UserWarning):
+    """The inputs' sizes suggest another layout than the one a function reads them in."""
 
 
 def _shape_str(dims) -> str:

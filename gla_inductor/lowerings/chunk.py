@@ -2,10 +2,10 @@
 ``TritonTemplate`` choices, so compiled graphs run them as generated code (epilogues fused into the
 main output's store, autotuned under max-autotune) instead of an extern call to the eager op.
 
-The templates are the jinja sources of ``gla_inductor/templates/``, which the eager CUDA path renders
-standalone (``templates/standalone.py``); tiles and options come from ``triton_chunk``, so a compiled
-graph and an eager call run the same kernels with the same configuration, and the same schedule:
-the fused one of ``triton_chunk`` (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
+The templates are the jinja sources of ``gla_inductor/kernels/templates/``, which the eager CUDA path
+renders standalone (``kernels/standalone.py``); tiles and options come from ``kernels.configs``, so a
+compiled graph and an eager call run the same kernels with the same configuration, and the same
+schedule: the fused one (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
 the local one (forward: chunk-local terms, carry scan; backward: local terms, states and dual carry
 scans, dq/dk/dg). The split schedule is eager-only.
 
@@ -30,11 +30,11 @@ from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, aut
 from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import CeilDiv
 
-from ..cuda_dispatch import _unsupported, gate_kind
-from ..gates import GateFn
-from ..templates.standalone import OUT, load_template, render_source
-from ..triton_chunk import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
-                            kernel_options, local_options, local_terms, scan_options)
+from ..contract import CHUNK_BWD_ARGS, GLACall
+from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
+                               kernel_options, local_options, local_terms, scan_options)
+from ..kernels.standalone import OUT, load_template, render_source
+from ..ops.dispatch import chunk_unsupported_reason
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -49,7 +49,7 @@ gla = torch.ops.gla_inductor
 def _scan_grid(BH, V, meta, *, cdiv):
     """How are gla_chunk_scan and gla_chunk_carry parallelized? One program per (value tile,
     batch * head) walks all chunks in order with its state slice on chip, or, in a carry cut into
-    segments, the chunks of its segment (see ``triton_chunk.scan_grid``)."""
+    segments, the chunks of its segment (see ``kernels.chunk.scan_grid``)."""
     return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1))
 
 
@@ -62,7 +62,7 @@ def _local_grid(T, BH, meta, *, cdiv):
 @SymbolicGridFn
 def _dqkg_grid(K, T, BH, meta, *, cdiv):
     """How is gla_chunk_bwd_dqkg parallelized? One program per (key tile, chunk, batch * head): with
-    the states in HBM the chunks are independent (see ``triton_chunk.chunk_grid``)."""
+    the states in HBM the chunks are independent (see ``kernels.chunk.chunk_grid``)."""
     return (cdiv(K, meta["BK"]), cdiv(T, meta["BT"]), BH)
 
 
@@ -91,7 +91,7 @@ def _written(template: TritonTemplate, options: dict) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class _Meta:
-    """What ``cuda_dispatch._unsupported`` reads of a tensor, for an IR node (size hints)."""
+    """What ``chunk_unsupported_reason`` reads of a tensor, for an IR node (size hints)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -108,8 +108,9 @@ def _meta(x) -> Optional[_Meta]:
     return _Meta(x.get_device(), x.get_dtype(), sizes)
 
 
-def _why_not(q, k, v, g, g_gamma, initial_state) -> Optional[str]:
-    """None when the templates can run these inputs, else the reason to fall back."""
+def _why_not(call: GLACall) -> Optional[str]:
+    """None when the templates can run the call (of IR nodes), else the reason to fall back."""
+    q, v = call.q, call.v
     device = q.get_device()
     if device.type == "cpu" and inductor_config.cpu_backend != "triton":
         return "CPU tensors (Inductor's CPU backend is not Triton)"
@@ -121,7 +122,7 @@ def _why_not(q, k, v, g, g_gamma, initial_state) -> Optional[str]:
     G, H = q.get_size()[2], v.get_size()[2]
     if not V.graph.sizevars.statically_known_equals(G, H) and not (_static(G) and _static(H)):
         return "q/k shared by groups of heads, with dynamic head counts (the group size is a kernel constant)"
-    return _unsupported(*map(_meta, (q, k, v, g, g_gamma, initial_state)))
+    return chunk_unsupported_reason(call.replace(**{n: _meta(x) for n, x in call.tensors().items()}))
 
 
 def _static(s) -> bool:
@@ -203,21 +204,20 @@ def _gate_inputs(gate_index: Optional[int]):
 class _Plan:
     """Sizes, tiles and shared options of one lowered forward or backward call."""
 
-    def __init__(self, q, v, g, g_gamma, scale: float, reverse: bool, dtype: torch.dtype, gate: GateFn,
-                 gate_a, gate_bias):
+    def __init__(self, call: GLACall, dtype: torch.dtype):
+        q, v = call.q, call.v
         self.device = q.get_device()
         self.B, self.T, _, self.K = q.get_size()
         self.H, self.V = v.get_size()[2], v.get_size()[-1]  # q and k may have fewer heads (grouped)
         self.group = _group(q, v)
         hint = V.graph.sizevars.optimization_hint
-        gate, gate_fn = gate_kind(_meta(g), _meta(g_gamma)), gate
         self.cfg: ChunkConfig = default_config(hint(self.B), hint(self.T), hint(self.H), int(self.K), int(self.V),
-                                               dtype, gate == "vector", self.device)
+                                               dtype, call.gate_kind == "vector", self.device)
         interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
-        self.options = kernel_options(self.cfg, dtype, int(self.K), gate, scale, reverse, interpreting, gate_fn,
-                                      self.group)
-        self.gates = dict(g=g, g_gamma=g_gamma, gate_a=gate_a, gate_bias=gate_bias)
-        self.fused_gate = bool(gate_fn.name)
+        self.options = kernel_options(self.cfg, dtype, int(self.K), call.gate_kind, call.scale, call.reverse,
+                                      interpreting, call.gate, self.group)
+        self.gates = dict(g=call.g, g_gamma=call.g_gamma, gate_a=call.gate_a, gate_bias=call.gate_bias)
+        self.fused_gate = call.fused_gate
 
     def states_size(self):
         return (self.B, _cdiv(self.T, self.cfg.block_t), self.H, self.K, self.V)
@@ -308,6 +308,9 @@ def _realize(x):
     return None if x is None else ir.ExternKernel.realize_input(x)
 
 
+_OTHER_TENSORS = ("g", "g_gamma", "initial_state", "gate_a", "gate_bias")  # beside q, k, v
+
+
 def _sum_groups(dx, group: int, dtype: torch.dtype):
     """Per-head fp32 gradients [B, T, H, K] of a q or k shared by groups of heads, summed over each
     group to [B, T, H / group, K] in dtype. The heads of a group are different programs of
@@ -324,17 +327,15 @@ def _sum_groups(dx, group: int, dtype: torch.dtype):
 
 
 @register_lowering(gla.chunk_fwd.default, type_promotion_kind=None)
-def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, gate_fn="", gate_scale=1.0,
-              gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):
-    args = (q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
-            gate_fn, gate_scale, gate_lo, gate_hi, gate_a, gate_bias)
-    reason = _why_not(q, k, v, g, g_gamma, initial_state)
+def chunk_fwd(*args, **kwargs):
+    call = GLACall.from_op_args(args, kwargs)
+    reason = _why_not(call)
     if reason is not None:
-        return _fallback(gla.chunk_fwd.default, reason, *args)
-    dtype, (q, k, v) = _inputs(q, k, v)
-    g, g_gamma, initial_state, gate_a, gate_bias = map(_realize, (g, g_gamma, initial_state, gate_a, gate_bias))
-    gate = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
-    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype, gate, gate_a, gate_bias)
+        return _fallback(gla.chunk_fwd.default, reason, *call.op_args(full=True))
+    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
+    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    initial_state, output_final_state = call.initial_state, call.output_final_state
+    plan = _Plan(call, dtype)
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
     ht = _empty((B, H, K, Vd) if output_final_state else (0,), torch.float32, plan.device)
     layout = _layout(plan.device, dtype, (B, T, H, Vd))
@@ -349,20 +350,19 @@ def chunk_fwd(q, k, v, g, g_gamma, initial_state, scale, output_final_state, rev
 
 
 @register_lowering(gla.chunk_bwd.default, type_promotion_kind=None)
-def chunk_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_fn="", gate_scale=1.0, gate_lo=None,
-              gate_hi=None, gate_a=None, gate_bias=None):
-    args = (q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse,
-            gate_fn, gate_scale, gate_lo, gate_hi, gate_a, gate_bias)
-    reason = _why_not(q, k, v, g, g_gamma, initial_state)
+def chunk_bwd(*args, **kwargs):
+    named = dict(zip(CHUNK_BWD_ARGS, args), **kwargs)
+    call = GLACall.from_op_args(args, kwargs, names=CHUNK_BWD_ARGS)
+    reason = _why_not(call)
     if reason is not None:
-        return _fallback(gla.chunk_bwd.default, reason, *args)
+        return _fallback(gla.chunk_bwd.default, reason, *call.bwd_op_args(named["do"], named.get("dht")))
     # gradients keep their inputs' dtypes (the kernels convert on store)
-    q_dtype, k_dtype, v_dtype = q.get_dtype(), k.get_dtype(), v.get_dtype()
-    dtype, (q, k, v) = _inputs(q, k, v)
-    g, g_gamma, initial_state, do, dht, gate_a, gate_bias = map(
-        _realize, (g, g_gamma, initial_state, do, dht, gate_a, gate_bias))
-    gate = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
-    plan = _Plan(q, v, g, g_gamma, scale, reverse, dtype, gate, gate_a, gate_bias)
+    q_dtype, k_dtype, v_dtype = call.q.get_dtype(), call.k.get_dtype(), call.v.get_dtype()
+    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
+    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    g, g_gamma, initial_state, gate = call.g, call.g_gamma, call.initial_state, call.gate
+    do, dht = _realize(named["do"]), _realize(named.get("dht"))
+    plan = _Plan(call, dtype)
     cfg, device = plan.cfg, plan.device
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
 

@@ -33,11 +33,18 @@ from typing import Any, Mapping, Sequence
 import jinja2
 import torch
 
-__all__ = ["OUT", "ScalarArg", "StandaloneKernel", "load_template", "render", "render_source", "specialization_key"]
+__all__ = ["OUT", "ScalarArg", "StandaloneKernel", "load_template", "needs_int64", "render", "render_source",
+           "specialization_key"]
 
-TEMPLATE_DIR = Path(__file__).parent
+TEMPLATE_DIR = Path(__file__).parent / "templates"
 OUT = "out_ptr0"  # the main output's argument name, as in Inductor's generated kernels
 _DEF_KERNEL = "<GLA_DEF_KERNEL>"  # placeholder: the signature is known only after the body rendered
+
+
+def needs_int64(x: torch.Tensor) -> bool:
+    """Whether an offset from x's data pointer may pass int32. Bounded by its storage's size (the
+    exact largest offset, summed over dims, took ~40% of a launch's host time)."""
+    return x.untyped_storage().nbytes() // x.element_size() >= 2**31
 
 
 @functools.cache

@@ -5,9 +5,9 @@ For decoding (T = 1) and short multi-token steps: one program per (V tile, batch
 end. Its cost is the state's HBM traffic, 2 * B * H * K * V * 4 bytes for an fp32 state, plus
 (3K + 2V) * 2 bytes per step and head for q, k, g, v and o (bf16, vector gate); at K = V = 128 the
 state outweighs the per-step traffic up to T ~ 100. The chunked scan does the per-step work as
-tensor-core dots and wins as T grows: ``cuda_dispatch.RECURRENT_MAX_T`` decides where the ops switch.
+tensor-core dots and wins as T grows: ``ops.dispatch.RECURRENT_MAX_T`` decides where the ops switch.
 
-``fused_recurrent_triton`` runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+``forward(call, state_out)`` runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
 from dataclasses import dataclass
@@ -17,13 +17,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .cuda_dispatch import gate_kind
-from .ops import group_size
-from .templates.standalone import OUT, render
-from .triton_chunk import MAX_GRID_YZ, _interpreting, _needs_int64, _pow2
+from ..contract import GLACall
+from .configs import MAX_GRID_YZ, interpreting, pow2
+from .standalone import OUT, needs_int64, render
 
-__all__ = ["RecurrentConfig", "default_recurrent_config", "fused_recurrent_triton", "recurrent_grid",
-           "recurrent_options", "recurrent_supports"]
+__all__ = ["RecurrentConfig", "default_recurrent_config", "forward", "recurrent_grid", "recurrent_options",
+           "unsupported_reason"]
 
 MAX_K = 256  # every program holds whole key rows: a [K, BV] fp32 state tile in registers
 MAX_V = 512
@@ -49,8 +48,8 @@ def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.devic
     narrows while B * H * cdiv(V, BV) programs leave fewer than ~4 per SM (a program loads its whole
     tile, then computes, then stores: bandwidth needs other programs' loads in flight meanwhile).
     """
-    BK = max(16, _pow2(K))
-    block_v = min(max(16, _pow2(V)), max(32, min(64, 8192 // BK)))
+    BK = max(16, pow2(K))
+    block_v = min(max(16, pow2(V)), max(32, min(64, 8192 // BK)))
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while block_v > 16 and B * H * -(-V // block_v) < 4 * sms:
@@ -69,16 +68,16 @@ def recurrent_grid(B: int, H: int, V: int, block_v: int) -> tuple[int, int]:
     return (-(-V // block_v), B * H)
 
 
-def recurrent_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
-                       g_gamma: Optional[Tensor] = None, state_in: Optional[Tensor] = None,
-                       state_out: Optional[Tensor] = None) -> Optional[str]:
-    """None when the kernel handles these inputs, else the reason to fall back."""
+def unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Optional[str]:
+    """None when the kernel handles the call (from its initial state, into ``state_out``), else the
+    reason to fall back."""
+    q, v = call.q, call.v
     if find_spec("triton") is None:
         return "triton is not installed"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         return f"device {q.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
-    named = (("q", q), ("k", k), ("v", v), ("g", g), ("g_gamma", g_gamma), ("state", state_in),
-             ("final state", state_out))
+    named = (("q", q), ("k", call.k), ("v", v), ("g", call.g), ("g_gamma", call.g_gamma),
+             ("state", call.initial_state), ("final state", state_out))
     for name, x in named:
         if x is not None and x.dtype not in _SUPPORTED_DTYPES:
             return f"{name} dtype {x.dtype} (supported: float32, float16, bfloat16)"
@@ -95,10 +94,10 @@ def recurrent_supports(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = No
 
 def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *, block_v: int, use_h0: bool,
                       store_ht: bool, group: int = 1) -> dict:
-    """The template's options (jinja variables and constexprs); ``gate`` as ``cuda_dispatch.gate_kind``;
+    """The template's options (jinja variables and constexprs); ``gate`` as ``GLACall.gate_kind``;
     ``group`` the heads of v per head of q and k."""
     return dict(
-        BK=max(16, _pow2(K)),
+        BK=max(16, pow2(K)),
         BV=block_v,
         EVEN_V=V % block_v == 0,
         USE_GK=gate == "vector",
@@ -112,34 +111,33 @@ def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *,
     )
 
 
-def fused_recurrent_triton(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor],
-                           state_in: Optional[Tensor], state_out: Optional[Tensor], scale: float, reverse: bool, *,
-                           config: Optional[RecurrentConfig] = None) -> Tensor:
+def forward(call: GLACall, state_out: Optional[Tensor], config: Optional[RecurrentConfig] = None) -> Tensor:
     """o [B, T, H, V] in the promoted dtype of q, k, v; the final state goes to ``state_out``.
 
-    q, k [B, T, H, K], or [B, T, G, K] with G dividing H (head h reads q/k head h // (H // G)); v [B, T, H, V];
-    g [B, T, H, K] or [B, T, H], or g_gamma [H], or neither;
-    state_in [B, H, K, V] (None: zeros), state_out [B, H, K, V] (None: not stored), any strides
-    and any supported dtypes each; state_out may be state_in itself. Math in fp32.
+    The call has a log gate (no fused gate function); q, k [B, T, H, K], or [B, T, G, K] with G
+    dividing H (head h reads q/k head h // (H // G)); its initial_state [B, H, K, V] (None: zeros),
+    state_out [B, H, K, V] (None: not stored), any strides and any supported dtypes each; state_out
+    may be the initial state itself. Math in fp32.
     """
+    q, v = call.q, call.v
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
-    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    o = torch.empty(B, T, H, V, dtype=dtype, device=q.device)
+    o = torch.empty(B, T, H, V, dtype=call.output_dtype, device=q.device)
     if T == 0 or B * H == 0:
         # no step: the final state is the initial one (the kernel would get an empty o)
         if state_out is not None:
-            state_out.copy_(state_in if state_in is not None else torch.zeros_like(state_out))
+            state_out.copy_(call.initial_state if call.initial_state is not None else torch.zeros_like(state_out))
         return o
     cfg = config or default_recurrent_config(B, H, K, V, q.device)
-    options = recurrent_options(K, V, gate_kind(g, g_gamma), scale, reverse, block_v=cfg.block_v,
-                                use_h0=state_in is not None, store_ht=state_out is not None,
-                                group=group_size(q, v))
-    tensors = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "h0": state_in, "ht": state_out}
+    options = recurrent_options(K, V, call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
+                                use_h0=call.initial_state is not None, store_ht=state_out is not None,
+                                group=call.group_size)
+    tensors = {"q": q, "k": call.k, "v": v, "g": call.g, "g_gamma": call.g_gamma, "h0": call.initial_state,
+               "ht": state_out}
     present = {n: t for n, t in tensors.items() if t is not None}
     ndims = {n: t.dim() for n, t in present.items()}
     ndims[OUT] = o.dim()
-    int64_index = any(_needs_int64(t) for t in (*present.values(), o))
+    int64_index = any(needs_int64(t) for t in (*present.values(), o))
     kernel = render(("gla_recurrent", "gla_common"), "gla_recurrent", options, ndims, int64_index)
     kernel(recurrent_grid(B, H, V, cfg.block_v), present, o, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o

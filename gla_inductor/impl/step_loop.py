@@ -1,11 +1,10 @@
 """The ops on CPU: the recurrence as step loops in C++ (``csrc/recurrent_cpu.cpp``).
 
-Why not the chunked PyTorch forward: at issue 2's shape (B=2, T=512, H=4, K=V=64, fp32) its five
-batched matmuls alone took ~2 ms of a ~4 ms call on a 2-core box, where the eager naive loop takes
-~40 ms. The step loop does one multiply and two fused multiply-adds per state element and step, on
-a state tile that stays in L1, with no intermediates: ~0.9 ms with a vector gate
-(benchmarks/results/cpu-2026-11-23-step-loop.md). It computes what the time loop computes, step by
-step, so non-finite inputs and growing gates give the loop's own results.
+Why not the chunked PyTorch forward: at K = V = 64 its batched matmuls alone cost more than the
+whole step loop, which does one multiply and two fused multiply-adds per state element and step, on
+a state tile that stays in L1, with no intermediates (measurements: benchmarks/results/README.md,
+the cpu benchmark). It computes what the time loop computes, step by step, so non-finite inputs and
+growing gates give the loop's own results.
 
 The backward walks the recurrence back in time, re-walking the states chunk by chunk from the ones
 kept entering each chunk. The ops take it for vector gates only (``BACKWARD_GATES`` says why).
@@ -13,8 +12,8 @@ kept entering each chunk. The ops take it for vector gates only (``BACKWARD_GATE
 The source is compiled on first use with the system's C++ compiler (the one Inductor's CPU backend
 needs too), into a per-user cache directory keyed by the source, the compiler and the flags, and
 loaded with ctypes. Where that fails, or for fp64 (the oracles' dtype, kept to the chunked path
-written in PyTorch), ``forward`` and ``backward`` return None and the caller takes the chunked
-implementation.
+written in PyTorch), ``forward_unsupported_reason`` / ``backward_unsupported_reason`` say why, and
+dispatch takes the chunked implementation.
 """
 
 from __future__ import annotations
@@ -35,8 +34,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import config, scratch
-from .cuda_dispatch import gate_kind
+from .. import config
+from ..contract import GLACall, sum_groups
+from . import scratch
 
 log = logging.getLogger("gla_inductor")
 
@@ -143,8 +143,8 @@ def _fp32(x: Tensor) -> Tensor:
 def _decay(g: Optional[Tensor], g_gamma: Optional[Tensor]) -> tuple[Optional[Tensor], tuple]:
     """exp of the log gate, and its strides over (batch, step, head, key): 0 where it is shared."""
     if g is not None:
-        # exp2 of g in log2 units: 0.08 against 0.17 ms for exp at issue 2's shape, a tenth of the
-        # call, for a relative error of |g| * 2^-24 more in a step's decay
+        # exp2 of g in log2 units: about half exp's time, for a relative error of |g| * 2^-24
+        # more in a step's decay
         a = torch.mul(g.float(), 1 / math.log(2)).exp2_()
         return a, (*a.stride()[:3], a.stride(3) if g.dim() == 4 else 0)
     if g_gamma is not None:
@@ -153,7 +153,7 @@ def _decay(g: Optional[Tensor], g_gamma: Optional[Tensor]) -> tuple[Optional[Ten
     return None, (0, 0, 0, 0)
 
 
-def _fits(q, k, v, g, g_gamma, initial_state) -> bool:
+def _fits(q, k, v, g, g_gamma, initial_state, **_) -> bool:
     """Whether the inputs have the shapes the kernel indexes by. The ops can be called directly with
     any tensors; the kernel would read out of bounds where the chunked forward raises an error."""
     if q.dim() != 4 or v.dim() != 4 or k.shape != q.shape:
@@ -193,30 +193,41 @@ def _threads(units: int) -> int:
     return max(1, min(torch.get_num_threads(), units))
 
 
-@torch.no_grad()
-def forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, out_dtype, state_dtype):
-    """(o, final state or an empty tensor) like ``ops._chunk_fwd_torch``, from the step loop; None
-    when this path does not apply (see the module docstring). q and k may have grouped heads."""
-    if state_dtype != torch.float32 or q.device.type != "cpu" or not _fits(q, k, v, g, g_gamma, initial_state):
-        return None
+def forward_unsupported_reason(call: GLACall) -> Optional[str]:
+    """None where the step loop runs this forward, else why not (see the module docstring)."""
+    if call.state_dtype != torch.float32:
+        return "fp64 runs the chunked algorithm (the oracles' dtype)"
+    if call.q.device.type != "cpu":
+        return f"device {call.q.device.type}"
+    if not _fits(**call.tensors()):
+        return "the inputs' shapes do not fit together"
     if not available():
-        return None
+        return "the CPU kernel is off or could not be built"
+    return None
+
+
+@torch.no_grad()
+def forward(call: GLACall) -> tuple[Tensor, Tensor]:
+    """(o, final state or an empty tensor) like ``chunked.forward``, from the step loop, for a call
+    with a log gate where ``forward_unsupported_reason`` is None. q and k may have grouped heads."""
+    q, k, v, g, g_gamma = call.q, call.k, call.v, call.g, call.g_gamma
     B, T, G, K = q.shape
     H, V = v.shape[2], v.shape[3]
     q, k, v = _fp32(q), _fp32(k), _fp32(v)
     a, a_strides = _decay(g, g_gamma)
     o = torch.empty(B, T, H, V, dtype=torch.float32)
-    state = _initial_state(initial_state, (B, H, K, V))
+    state = _initial_state(call.initial_state, (B, H, K, V))
     shape, strides = _shape_and_strides(q, k, v, a_strides, o)
     library().gla_recurrent_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(a), _ptr(o), _ptr(state), shape, strides,
-                                    scale, int(reverse), _threads(B * H * -(-V // 32)))
+                                    call.scale, int(call.reverse), _threads(B * H * -(-V // 32)))
+    out_dtype = call.output_dtype
     o = o if out_dtype == torch.float32 else o.to(out_dtype)
-    return o, (state if output_final_state else q.new_empty(0, dtype=state_dtype))
+    return o, (state if call.output_final_state else q.new_empty(0, dtype=torch.float32))
 
 
 def _gate_grads(dg: Optional[Tensor], q: Tensor, g: Optional[Tensor], g_gamma: Optional[Tensor]):
     """(dg, dg_gamma) shaped and typed like g and g_gamma from the per-key dg [B, T, H, K]; an empty
-    tensor for an absent input (``ops._split_gate_grad``'s convention)."""
+    tensor for an absent input (``chunked._split_gate_grad``'s convention)."""
     if g is not None:
         return (dg if g.dim() == 4 else dg.sum(-1)).to(g.dtype), q.new_empty(0)
     if g_gamma is not None:
@@ -224,26 +235,37 @@ def _gate_grads(dg: Optional[Tensor], q: Tensor, g: Optional[Tensor], g_gamma: O
     return q.new_empty(0), q.new_empty(0)  # two tensors: an op's outputs may not alias each other
 
 
-# Gate kinds whose backward takes the step loop. At issue 2's shape (cpu_op.py, 2 threads) it took
-# 7.1 against the chunked backward's 15.4 ms with a vector gate, but 7.7 against 8.7 with a scalar
-# gate and 6.4 against 5.6 without one: each row's three sums over V (dq, dk, dg) cost about as much
-# as the row's own work at V = 64 (benchmarks/results/cpu-2026-11-23-step-loop.md).
+# Gate kinds whose backward takes the step loop: it halved the chunked backward's time with a vector
+# gate, but was no faster with the others, where each row's three sums over V (dq, dk, dg) cost
+# about as much as the row's own work at V = 64 (benchmarks/results/cpu-2026-11-23-step-loop.md).
 BACKWARD_GATES = ("vector",)
 
 
-@torch.no_grad()
-def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
-    """(dq, dk, dv, dg, dg_gamma, dh0) like ``ops._chunk_bwd_torch``, from the step loop run back in
-    time; None when this path does not apply (and for the gate kinds not in BACKWARD_GATES)."""
-    if gate_kind(g, g_gamma) not in BACKWARD_GATES:
-        return None
+def backward_unsupported_reason(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> Optional[str]:
+    """None where the step loop runs this backward, else why not."""
+    if call.gate_kind not in BACKWARD_GATES:
+        return f"{call.gate_kind} gates take the chunked backward (BACKWARD_GATES)"
+    q, v = call.q, call.v
     B, T, G, K = q.shape
-    dtypes = [x.dtype for x in (q, k, v, g, g_gamma, initial_state, do, dht) if x is not None]
-    if torch.float64 in dtypes or q.device.type != "cpu" or not _fits(q, k, v, g, g_gamma, initial_state):
-        return None
+    if any(x is not None and x.dtype == torch.float64 for x in (*call.tensors().values(), do, dht)):
+        return "fp64 runs the chunked algorithm (the oracles' dtype)"
+    if q.device.type != "cpu":
+        return f"device {q.device.type}"
+    if not _fits(**call.tensors()) or do.shape != v.shape or \
+            dht is not None and tuple(dht.shape) != (B, v.shape[2], K, v.shape[3]):
+        return "the inputs' shapes do not fit together"
+    if not available():
+        return "the CPU kernel is off or could not be built"
+    return None
+
+
+@torch.no_grad()
+def backward(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dg, dg_gamma, dh0) like ``chunked.backward``, from the step loop run back in
+    time, where ``backward_unsupported_reason`` is None."""
+    q, k, v, g, g_gamma, initial_state = call.q, call.k, call.v, call.g, call.g_gamma, call.initial_state
+    B, T, G, K = q.shape
     H, V = v.shape[2], v.shape[3]
-    if do.shape != v.shape or dht is not None and tuple(dht.shape) != (B, H, K, V) or not available():
-        return None
     q32, k32, v32, do32 = _fp32(q), _fp32(k), _fp32(v), _fp32(do).contiguous()
     a, a_strides = _decay(g, g_gamma)
     dq, dk, dg = (torch.empty(B, T, H, K) for _ in range(3))
@@ -255,15 +277,13 @@ def backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
     # states at a time; sqrt(T) keeps both small
     chunk = max(8, min(64, math.isqrt(max(T, 1))))
     threads = _threads(B * H)
-    # kept between calls (scratch.py says why): ~0.8 MB per thread at issue 2's shape
+    # kept between calls (scratch.py says why)
     work = scratch.empty("cpu_backward_work", (threads * library().gla_recurrent_backward_work(T, K, V, chunk),),
                          torch.float32, q.device)
     library().gla_recurrent_backward(
         _ptr(q32), _ptr(k32), _ptr(v32), _ptr(a), _ptr(state), _ptr(do32), _ptr(dht32), _ptr(dq), _ptr(dk),
-        _ptr(dv), _ptr(dg if a is not None else None), _ptr(dh0), _ptr(work), shape, strides, scale, int(reverse),
-        chunk, threads)
-    from .ops import sum_groups  # imported here: ops imports this module
-
+        _ptr(dv), _ptr(dg if a is not None else None), _ptr(dh0), _ptr(work), shape, strides, call.scale,
+        int(call.reverse), chunk, threads)
     return (
         sum_groups(dq, G, q.dtype),
         sum_groups(dk, G, k.dtype),

@@ -21,7 +21,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import config
+from .. import config
 
 _local = threading.local()
 

@@ -1,12 +1,10 @@
-"""Custom ops ``gla_inductor::chunk_fwd`` / ``gla_inductor::chunk_bwd`` and the public ``chunk_gla``.
+"""The chunked GLA algorithm in plain PyTorch: the ops' implementation for fp64 (the oracles'
+dtype), for CPUs without a C++ compiler, and wherever the kernels do not apply.
 
-The ops are opaque to Dynamo and AOTAutograd: the forward graph holds one ``chunk_fwd`` node and
-the backward graph one ``chunk_bwd`` node (through ``register_autograd``), which the lowerings can
-then replace by Triton templates. This module holds their CPU (and fallback) implementation: a
-chunked algorithm in plain PyTorch, O(T * BT * (K + V)) work per head, batched over all chunks at
-once but for the state recurrence, the only loop over chunks. On CPU the forward (and the backward
-of vector gates) runs the C++ step loops of ``cpu_recurrent`` instead wherever they apply (fp32
-compute and a working C++ compiler).
+O(T * BT * (K + V)) work per head, batched over all chunks at once but for the state recurrence,
+the only loop over chunks. ``forward(call)`` and ``backward(call, do, dht)`` follow the contract of
+the ``chunk_fwd`` / ``chunk_bwd`` ops for a ``GLACall`` whose gate is a log gate (no fused gate
+function: ``GLACall.with_log_gate``); q and k may have grouped heads.
 
 Notation, per (batch, head), after the [B, T, H, D] -> [B, H, NT, BT, D] chunking:
   BT    chunk length, a power of two; NT number of chunks (the last one zero-padded)
@@ -65,51 +63,17 @@ update survives every later decay and sum). Gradients of non-finite inputs are n
 
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import cpu_recurrent, scratch
-from .gates import GateFn, gate_grads, log_gate
+from ..contract import GLACall, compute_dtype, output_dtype, repeat_groups, sum_groups
+from . import scratch
 
-__all__ = ["chunk_gla", "register_cuda_impl", "BT"]
+__all__ = ["BT", "backward", "forward"]
 
 BT = 64  # a power of two: the block scan halves it down to single steps
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-# CUDA implementations with the same signatures as the ops, filled in by the Triton kernels.
-_CUDA_IMPL: dict[str, Optional[Callable]] = {"fwd": None, "bwd": None}
-
-
-def register_cuda_impl(fwd: Optional[Callable] = None, bwd: Optional[Callable] = None) -> None:
-    """Route the ops to ``fwd`` / ``bwd`` for CUDA inputs; an argument left None keeps its entry."""
-    if fwd is not None:
-        _CUDA_IMPL["fwd"] = fwd
-    if bwd is not None:
-        _CUDA_IMPL["bwd"] = bwd
-
-
-# ----------------------------------------------------------------------------------------------
-# dtypes and layout
-# ----------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
-    # fp64 oracles must stay fp64 end to end; every other dtype accumulates in fp32
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
-
-
-def _output_dtype(q: Tensor, k: Tensor, v: Tensor) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-
-
-def _state_dtype(q, k, v, g, g_gamma, initial_state) -> torch.dtype:
-    """dtype of the final state: fp32, or fp64 when the op computes in fp64."""
-    return _compute_dtype(q, k, v, g, g_gamma, initial_state)
 
 
 def _to_chunks(
@@ -191,7 +155,7 @@ def _prepare(q, k, v, g, g_gamma, initial_state, reverse, strided=(), log_vector
     input (see ``_to_chunks``): only elementwise ops read them there. With log_vector, a vector
     gate comes as its log gate ``log_g`` (for ``_intra_vector``) rather than as ``e``.
     """
-    dtype = _compute_dtype(q, k, v, g, g_gamma, initial_state)
+    dtype = compute_dtype(q, k, v, g, g_gamma, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = -(-T // BT)
@@ -653,8 +617,8 @@ def _chunk_fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_sta
     else:
         _add_intra_nonfinite(o, intra.A, x.v)
         o.mul_(scale)
-    o = _from_chunks(o, q.shape[1], reverse, _output_dtype(q, k, v))
-    state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
+    o = _from_chunks(o, q.shape[1], reverse, output_dtype(q, k, v))
+    state_dtype = compute_dtype(q, k, v, g, g_gamma, initial_state)
     return o, (_fresh(ht, state_dtype) if output_final_state else q.new_empty(0, dtype=state_dtype))
 
 
@@ -731,427 +695,17 @@ def _split_gate_grad(dgate, T, reverse, q, g, g_gamma) -> tuple[Tensor, Tensor]:
     return q.new_empty(0), q.new_empty(0)
 
 
-# ----------------------------------------------------------------------------------------------
-# custom ops
-# ----------------------------------------------------------------------------------------------
-
-
-# Grouped heads: q, k [B, T, G, K] shared by groups of H / G heads of v (GQA; Mamba2's C and B).
-
-
-def group_size(q: Tensor, v: Tensor) -> int:
-    """Heads of v per head of q and k: head h reads q/k head h // group_size, the order of
-    ``x.repeat_interleave(group_size, dim=2)``. 1 when they have as many heads."""
-    G, H = q.shape[2], v.shape[2]
-    return H // G if G else 1
-
-
-def repeat_groups(x: Tensor, H: int) -> Tensor:
-    """q or k [B, T, G, D] repeated to H heads (repeat_interleave order); x itself when G == H."""
-    G = x.shape[2]
-    return x if G == H else x.repeat_interleave(H // G, dim=2)
-
-
-def sum_groups(dx: Tensor, G: int, dtype: torch.dtype) -> Tensor:
-    """Per-head gradients [B, T, H, D] of a q or k shared by groups of heads, summed over each group
-    to [B, T, G, D] in dtype (the transpose of ``repeat_groups``; at least fp32 accumulation). dx
-    itself, cast, when G == H."""
-    if dx.shape[2] == G:
-        return dx if dx.dtype == dtype else dx.to(dtype)
-    acc = torch.promote_types(dx.dtype, torch.float32)
-    return dx.unflatten(2, (G, -1)).sum(3, dtype=acc).to(dtype)
-
-
-def _fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse):
-    """The chunked PyTorch forward (CPU, CUDA fallback), grouped q and k repeated to v's heads first:
-    not the path grouped heads are optimized for (the Triton kernels read them shared)."""
-    H = v.shape[2]
-    return _chunk_fwd_torch(repeat_groups(q, H), repeat_groups(k, H), v, g, g_gamma, initial_state, scale,
-                            output_final_state, reverse)
-
-
-def _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse):
-    """The chunked PyTorch backward on repeated q and k, their gradients summed back over the groups."""
-    H, G = v.shape[2], q.shape[2]
-    dq, dk, *rest = _chunk_bwd_torch(repeat_groups(q, H), repeat_groups(k, H), v, g, g_gamma, initial_state, do,
-                                     dht, scale, reverse)
-    return (sum_groups(dq, G, q.dtype), sum_groups(dk, G, k.dtype), *rest)
-
-
-def _chunk_fwd_impl(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Optional[Tensor],
-    g_gamma: Optional[Tensor],
-    initial_state: Optional[Tensor],
-    scale: float,
-    output_final_state: bool,
-    reverse: bool,
-    gate_fn: str = "",
-    gate_scale: float = 1.0,
-    gate_lo: Optional[float] = None,
-    gate_hi: Optional[float] = None,
-    gate_a: Optional[Tensor] = None,
-    gate_bias: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
-    """GLA forward. Returns (o [B, T, H, V], final state [B, H, K, V], or [0] when not requested).
-
-    q, k may be [B, T, G, K] with G dividing v's H heads: head h reads q/k head h // (H // G).
-    With ``gate_fn``, g holds the input of that gate function (``gla_inductor.gates``)."""
-    fn = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
-    impl = _CUDA_IMPL["fwd"] if q.is_cuda else None
-    if impl is not None:
-        return impl(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
-                    gate=fn, gate_a=gate_a, gate_bias=gate_bias)
-    g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
-    stepped = cpu_recurrent.forward(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
-                                    _output_dtype(q, k, v), _state_dtype(q, k, v, g, g_gamma, initial_state))
-    if stepped is not None:
-        return stepped
-    return _fwd_torch(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse)
-
-
-chunk_fwd = torch.library.custom_op("gla_inductor::chunk_fwd", _chunk_fwd_impl, mutates_args=())
-
-
-def _plain_gate(q, k, v, g, fn: GateFn, gate_a, gate_bias, initial_state) -> Optional[Tensor]:
-    """The log gate itself, computing a fused gate function of g in the ops' compute dtype."""
-    if not fn.name:
-        return g
-    return log_gate(g, fn, gate_a, gate_bias, _compute_dtype(q, k, v, g, initial_state, gate_a, gate_bias))
-
-
-def _register_lowerings() -> None:
-    """Inductor lowers our ops with ``gla_inductor.lowerings``. A graph reaches Inductor only after
-    its ops were traced through their fake implementations, so these import the lowerings (loading
-    Inductor with the package itself would slow every ``import gla_inductor``)."""
-    from . import lowerings  # noqa: F401
-
-
-@chunk_fwd.register_fake
-def _chunk_fwd_fake(q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse, gate_fn="",
-                    gate_scale=1.0, gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):
-    _register_lowerings()
-    B, T, _, K = q.shape
-    H, V = v.shape[2], v.shape[-1]  # q and k may have fewer heads than v (grouped)
-    state_dtype = _state_dtype(q, k, v, g, g_gamma, initial_state)
-    o = q.new_empty(B, T, H, V, dtype=_output_dtype(q, k, v))
-    ht = q.new_empty((B, H, K, V) if output_final_state else (0,), dtype=state_dtype)
-    return o, ht
-
-
-def _chunk_bwd_impl(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Optional[Tensor],
-    g_gamma: Optional[Tensor],
-    initial_state: Optional[Tensor],
-    do: Tensor,
-    dht: Optional[Tensor],
-    scale: float,
-    reverse: bool,
-    gate_fn: str = "",
-    gate_scale: float = 1.0,
-    gate_lo: Optional[float] = None,
-    gate_hi: Optional[float] = None,
-    gate_a: Optional[Tensor] = None,
-    gate_bias: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """GLA backward, recomputing the states from the inputs.
-
-    Returns (dq, dk, dv, dg, dg_gamma, dh0), each shaped like its input (dq, dk grouped like q, k);
-    [0] for an absent input.
-    With ``gate_fn``, dg is the gradient w.r.t. g itself, like g, for a function without parameters
-    (``GateFn.input_grad``: the kernels apply its derivative as they store dg); otherwise the gradient
-    w.r.t. the log gate, in the compute dtype (fp32 or fp64), which ``gates.gate_grads`` turns into
-    those w.r.t. the gate function's inputs.
-    """
-    fn = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
-    impl = _CUDA_IMPL["bwd"] if q.is_cuda else None
-    if impl is not None:
-        return impl(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse,
-                    gate=fn, gate_a=gate_a, gate_bias=gate_bias)
-    x = g
-    g = _plain_gate(q, k, v, g, fn, gate_a, gate_bias, initial_state)
-    grads = cpu_recurrent.backward(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
-    if grads is None:
-        grads = _bwd_torch(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse)
-    if fn.input_grad:
-        dx = gate_grads(grads[3], x, fn, gate_a, gate_bias)[0].to(x.dtype)
-        grads = (*grads[:3], dx, *grads[4:])
-    return grads
-
-
-chunk_bwd = torch.library.custom_op("gla_inductor::chunk_bwd", _chunk_bwd_impl, mutates_args=())
-
-
-@chunk_bwd.register_fake
-def _chunk_bwd_fake(q, k, v, g, g_gamma, initial_state, do, dht, scale, reverse, gate_fn="", gate_scale=1.0,
-                    gate_lo=None, gate_hi=None, gate_a=None, gate_bias=None):
-    _register_lowerings()
-
-    def grad_like(x):
-        # new_empty, not empty_like: the real op returns contiguous tensors whatever x's strides
-        return q.new_empty(0) if x is None else x.new_empty(x.shape)
-
-    grads = [grad_like(x) for x in (q, k, v, g, g_gamma, initial_state)]
-    if gate_fn and not GateFn(gate_fn).input_grad:
-        grads[3] = g.new_empty(g.shape, dtype=_compute_dtype(q, k, v, g, initial_state, gate_a, gate_bias))
-    return tuple(grads)
-
-
-def _chunk_fwd_setup_context(ctx, inputs, output):
-    (q, k, v, g, g_gamma, initial_state, scale, output_final_state, reverse,
-     gate_fn, gate_scale, gate_lo, gate_hi, gate_a, gate_bias) = inputs
-    ctx.save_for_backward(q, k, v, g, g_gamma, initial_state, gate_a, gate_bias)
-    ctx.scale = scale
-    ctx.output_final_state = output_final_state
-    ctx.reverse = reverse
-    ctx.gate = GateFn(gate_fn, gate_scale, gate_lo, gate_hi)
-
-
-def _chunk_fwd_backward(ctx, do, dht, bwd: Optional[Callable] = None):
-    """The backward of chunk_fwd, through the chunk_bwd op, or through ``bwd`` (``_EagerChunkGLA``)."""
-    q, k, v, g, g_gamma, initial_state, gate_a, gate_bias = ctx.saved_tensors
-    fn = ctx.gate
-    if not ctx.output_final_state:
-        dht = None
-    if do is None:
-        do = v.new_zeros(v.shape, dtype=_output_dtype(q, k, v))
-    dq, dk, dv, dg, dg_gamma, dh0 = (bwd or torch.ops.gla_inductor.chunk_bwd)(
-        q, k, v, g, g_gamma, initial_state, do, dht, ctx.scale, ctx.reverse,
-        fn.name, fn.scale, fn.lo, fn.hi, gate_a, gate_bias,
-    )
-    da = dbias = None
-    if fn.name and not fn.input_grad:
-        dg, da, dbias = gate_grads(dg, g, fn, gate_a, gate_bias)
-        dg = dg.to(g.dtype)
-        da = None if da is None else da.to(gate_a.dtype)
-        dbias = None if dbias is None else dbias.to(gate_bias.dtype)
-
-    def present(grad, x):
-        return None if x is None else grad
-
-    return (
-        dq, dk, dv,
-        present(dg, g), present(dg_gamma, g_gamma), present(dh0, initial_state),
-        None, None, None,
-        None, None, None, None, da, dbias,
-    )
-
-
-chunk_fwd.register_autograd(_chunk_fwd_backward, setup_context=_chunk_fwd_setup_context)
-
-
-class _EagerChunkGLA(torch.autograd.Function):
-    """chunk_fwd and its backward for eager calls of ``chunk_gla``: the ops' implementations and
-    autograd formula without torch.library's dispatch and autograd wrappers, which cost their own
-    host time on every call (H100, torch 2.11, a one-chunk shape: a forward and backward took about
-    2.1 ms through the ops and 1.7-1.9 ms through this class; the kernels' launchers alone 0.6 ms).
-    Compiled graphs keep the ops (``_eager_fast_path``)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as through the op
-        o, ht = _chunk_fwd_impl(*inputs)
-        _chunk_fwd_setup_context(ctx, inputs, (o, ht))
-        if not ctx.output_final_state:
-            ctx.mark_non_differentiable(ht)
-        return o, ht
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dht):
-        return _chunk_fwd_backward(ctx, do, dht, bwd=_chunk_bwd_impl)
-
-
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-
-
-def _eager_fast_path(tensors) -> bool:
-    """Whether ``chunk_gla`` may bypass the ops: outside compilation, with no torch function or
-    dispatch mode active (fake tensors, tracing, FlopCounter) and plain tensors only (no subclass
-    or functorch wrapper), where only the ops see and trace what happens."""
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
-        return False
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(
-        x is None or type(x) in _PLAIN_TENSORS and not torch._C._functorch.is_functorch_wrapped_tensor(x)
-        for x in tensors
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# public API
-# ----------------------------------------------------------------------------------------------
-
-
-def _shape_str(dims) -> str:
-    return "[" + ", ".join(str(d) for d in dims) + "]"
-
-
-def _check_tensor(name: str, x) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"chunk_gla: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"chunk_gla: {name} has dtype {x.dtype}; expected float16, bfloat16, float32 or float64"
-        )
-
-
-def _check_shape(name: str, x: Tensor, q: Tensor, layout: str, expected: tuple) -> None:
-    """Raise unless x has the ``expected`` shape; None entries of ``expected`` are free."""
-    if x.dim() == len(expected) and all(e is None or d == e for d, e in zip(x.shape, expected)):
-        return
-    letters = layout.strip("[]").split(", ")
-    want = _shape_str(letter if e is None else e for letter, e in zip(letters, expected))
-    raise ValueError(
-        f"chunk_gla: {name} has shape {tuple(x.shape)} but q has shape {tuple(q.shape)}; "
-        f"expected {name} to be {layout} = {want}"
-    )
-
-
-def _check_groups(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Grouped heads: k shaped like q, [B, T, G, K], and v [B, T, H, V] with H a multiple of G."""
-    B, T, G, K = q.shape
-    if k.dim() == 4 and k.shape[:2] == (B, T) and k.shape[2] != G and k.shape[3] == K:
-        raise ValueError(
-            f"chunk_gla: k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}; expected k to be "
-            f"[B, T, G, K] = {_shape_str((B, T, G, K))}: q and k must have the same number of heads G "
-            "(each shared by H / G heads of v)")
-    _check_shape("k", k, q, "[B, T, H, K]", (B, T, G, K))
-    H = v.shape[2] if v.dim() == 4 else -1
-    if v.dim() == 4 and v.shape[:2] == (B, T) and (H == G or G > 0 and H > 0 and H % G == 0):
-        return
-    raise ValueError(
-        f"chunk_gla: v has shape {tuple(v.shape)} but q has shape {tuple(q.shape)}; expected v to be "
-        f"[B, T, H, V] = {_shape_str((B, T, G, 'V'))}, or with H any multiple of q and k's {G} heads "
-        f"(grouped heads: head h reads q/k head h // (H / {G}))")
-
-
-def _validate_inputs(q, k, v, g, g_gamma, initial_state, grouped: bool = False) -> None:
-    """Clear errors for the public API (the ops themselves trust their callers). With grouped, q and
-    k may have fewer heads than v (a divisor of v's)."""
-    named = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "initial_state": initial_state}
-    for name, x in named.items():
-        if x is not None or name in ("q", "k", "v"):
-            _check_tensor(name, x)
-    if q.dim() != 4:
-        raise ValueError(f"chunk_gla: q has shape {tuple(q.shape)}; expected q to be 4-D [B, T, H, K]")
-    B, T, H, K = q.shape
-    if grouped:
-        _check_groups(q, k, v)
-        H = v.shape[2]
-    else:
-        _check_shape("k", k, q, "[B, T, H, K]", (B, T, H, K))
-        _check_shape("v", v, q, "[B, T, H, V]", (B, T, H, None))
-    if g is not None and g_gamma is not None:
-        raise ValueError("chunk_gla: got both g and g_gamma; pass at most one gate")
-    if g is not None and g.dim() == 3:
-        _check_shape("g", g, q, "[B, T, H]", (B, T, H))
-    elif g is not None and g.dim() == 4:
-        _check_shape("g", g, q, "[B, T, H, K]", (B, T, H, K))
-    elif g is not None:
-        raise ValueError(
-            f"chunk_gla: g has shape {tuple(g.shape)} but q has shape {tuple(q.shape)}; expected g to be "
-            f"[B, T, H, K] = {_shape_str((B, T, H, K))} (vector gate) or [B, T, H] = {_shape_str((B, T, H))} "
-            "(scalar gate)"
-        )
-    if g_gamma is not None:
-        _check_shape("g_gamma", g_gamma, q, "[H]", (H,))
-    if initial_state is not None:
-        _check_shape("initial_state", initial_state, q, "[B, H, K, V]", (B, H, K, v.shape[-1]))
-    for name, x in named.items():
-        if x is not None and x.device != q.device:
-            raise ValueError(
-                f"chunk_gla: {name} is on {x.device} but q is on {q.device}; "
-                "all tensors must share one device"
-            )
-
-
-def chunk_gla(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Optional[Tensor] = None,
-    *,
-    g_gamma: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None,
-    output_final_state: bool = False,
-    reverse: bool = False,
-    gate_fn: Optional[str] = None,
-    gate_scale: float = 1.0,
-    gate_lo: Optional[float] = None,
-    gate_hi: Optional[float] = None,
-    gate_a: Optional[Tensor] = None,
-    gate_bias: Optional[Tensor] = None,
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Gated linear attention, FLA-compatible.
-
-    Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]. Grouped heads (GQA, Mamba2's shared C and B): q, k may be
-            [B, T, G, K] with G dividing H; head h reads q/k head h // (H // G), as if they were
-            ``q.repeat_interleave(H // G, dim=2)``, without materializing that; their gradients
-            come back [B, T, G, K].
-        g: per-step log gate, [B, T, H, K] (vector) or [B, T, H] (scalar). Usually <= 0.
-        g_gamma: [H] constant log gate (g_t = g_gamma[h] at every step); at most one of g / g_gamma.
-        scale: defaults to K ** -0.5.
-        initial_state: [B, H, K, V] state before the first processed step.
-        output_final_state: also return the state after the last processed step.
-        reverse: run the recurrence from t = T - 1 down to 0.
-        gate_fn: "logsigmoid" or "softplus": g is the input x of a gate function that the kernels
-            apply as they read it (see ``gla_inductor.gates``), with its constants gate_scale,
-            gate_lo / gate_hi (clamp bounds) and, for "softplus", gate_a [H] and gate_bias [H]
-            (scalar gate) or [H, K] (vector gate):
-            logsigmoid: g = clamp(logsigmoid(x) * gate_scale, gate_lo, gate_hi)
-            softplus:   g = gate_a * clamp(softplus(x + gate_bias), gate_lo, gate_hi)
-
-    Returns:
-        o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
-        (fp32, fp64 for fp64 inputs) or None.
-    """
-    _validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True)
-    fn = GateFn(gate_fn or "", float(gate_scale), _opt_float(gate_lo), _opt_float(gate_hi))
-    _validate_gate(fn, q, g, gate_a, gate_bias)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    args = (q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse),
-            fn.name, fn.scale, fn.lo, fn.hi, gate_a, gate_bias)
-    if _eager_fast_path((q, k, v, g, g_gamma, initial_state, gate_a, gate_bias)):
-        o, ht = _EagerChunkGLA.apply(*args)
-    else:
-        o, ht = torch.ops.gla_inductor.chunk_fwd(*args)
-    return o, (ht if output_final_state else None)
-
-
-def _opt_float(x) -> Optional[float]:
-    return None if x is None else float(x)
-
-
-def _validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias) -> None:
-    """Clear errors for a fused gate's inputs."""
-    if not fn.name:
-        if gate_a is not None or gate_bias is not None:
-            raise ValueError("chunk_gla: gate_a and gate_bias need gate_fn='softplus'")
-        return
-    if g is None:
-        raise ValueError(f"chunk_gla: gate_fn={fn.name!r} needs g, the gate function's input")
-    if fn.name == "logsigmoid" and (gate_a is not None or gate_bias is not None):
-        raise ValueError("chunk_gla: gate_a and gate_bias belong to gate_fn='softplus'")
-    if fn.name == "softplus":
-        H = g.shape[2]  # v's heads (q's may be fewer)
-        heads = tuple(g.shape[2:])
-        layout = "[H]" if g.dim() == 3 else "[H, K]"
-        for name, x, want, want_layout in (("gate_a", gate_a, (H,), "[H]"), ("gate_bias", gate_bias, heads, layout)):
-            if x is None:
-                raise ValueError(f"chunk_gla: gate_fn='softplus' needs {name} {want_layout} = {_shape_str(want)}")
-            _check_tensor(name, x)
-            if tuple(x.shape) != want:
-                raise ValueError(f"chunk_gla: {name} has shape {tuple(x.shape)}; expected {want_layout} = "
-                                 f"{_shape_str(want)} for g of shape {tuple(g.shape)}")
-            if x.device != q.device:
-                raise ValueError(f"chunk_gla: {name} is on {x.device} but q is on {q.device}")
+def forward(call: GLACall) -> tuple[Tensor, Tensor]:
+    """(o, final state or an empty [0]); grouped q and k are repeated to v's heads first: not the
+    path grouped heads are optimized for (the kernels read them shared)."""
+    c, H = call, call.v.shape[2]
+    return _chunk_fwd_torch(repeat_groups(c.q, H), repeat_groups(c.k, H), c.v, c.g, c.g_gamma, c.initial_state,
+                            c.scale, c.output_final_state, c.reverse)
+
+
+def backward(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dg, dg_gamma, dh0) on repeated q and k, their gradients summed back over the groups."""
+    c, H, G = call, call.v.shape[2], call.q.shape[2]
+    dq, dk, *rest = _chunk_bwd_torch(repeat_groups(c.q, H), repeat_groups(c.k, H), c.v, c.g, c.g_gamma,
+                                     c.initial_state, do, dht, c.scale, c.reverse)
+    return (sum_groups(dq, G, c.q.dtype), sum_groups(dk, G, c.k.dtype), *rest)

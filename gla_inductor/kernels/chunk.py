@@ -1,0 +1,261 @@
+"""Host launchers of the chunked GLA Triton kernels (forward and backward, every gate kind).
+
+Kernels (sources in ``templates/``, rendered by ``standalone.py``; the design and the byte
+and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``ChunkConfig.split``:
+
+  fused (default)
+    forward   1 launch  gla_chunk_scan: o and the final state. One program per (V tile, batch*head)
+                        walks the chunks with its state in registers; nothing per chunk goes to HBM.
+    backward  3 launches gla_chunk_scan (states): h, the state entering every chunk;
+                        gla_chunk_scan (dual): the reverse scan of dS = dL/dS, writing dv, dh (dS
+                        leaving every chunk) and dh0;
+                        gla_chunk_bwd_dqkg: dq, dk, dg, chunk-parallel from h and dh.
+  split: the scans only materialize states, and gla_chunk_output computes o (dv) chunk-parallel:
+    forward   2 launches (states scan, output); backward 4 (states, dual states, dual output, dqkg).
+    More HBM traffic, but the per-chunk work no longer sits on the scans' sequential path.
+  local (``ChunkConfig.local``, the default for vector gates from K = 64 and for other gates at
+    K = 256, ``local_schedule``): gla_chunk_local computes
+    every chunk's state-independent terms in parallel (decayed q and k, scores, chunk decay), and
+    gla_chunk_carry scans them with three dots per chunk:
+    forward   2 launches (local, carry); backward 4 (local with the scores' transpose, states carry,
+              dual carry, dqkg). A long sequence with few heads cuts each carry's walk into
+              segments walked in parallel (``carry_segments``), one more launch per carry.
+
+``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
+/ ``chunk_bwd`` custom ops for a ``GLACall``. They run on CUDA tensors, and on CPU tensors under
+``TRITON_INTERPRET=1``; ``configs.unsupported_reason`` says where they do not apply.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..contract import GLACall, sum_groups
+from .configs import (MAX_GRID_YZ, ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k,
+                      faulting_tile, interpreting, kernel_options, local_options, local_terms, scan_options,
+                      unsupported_reason)
+from .standalone import OUT, needs_int64, render
+
+__all__ = ["backward", "chunk_grid", "forward", "scan_grid", "unsupported_reason"]
+
+
+def scan_grid(B: int, H: int, V: int, block_v: int, segments: int = 1) -> tuple[int, int, int]:
+    """(cdiv(V, BV), B * H, segments) for gla_chunk_scan and gla_chunk_carry.
+
+    One program per value tile of one (batch, head). It walks all NT chunks in order and carries its
+    [K, BV] slice of the state in registers, so chunks never exchange states through HBM. The
+    sequence is not split: parallelism is B * H * cdiv(V, BV) programs, each doing NT dependent
+    steps; narrower value tiles buy parallelism when B * H is small, at the price of recomputing
+    the [BT, BT] intra-chunk scores once per tile. gla_chunk_carry may also cut the walk into
+    segments (``carry_segments``).
+    """
+    return (math.ceil(V / block_v), B * H, segments)
+
+
+def chunk_grid(B: int, T: int, H: int, block_t: int, n_tiles: int) -> tuple[int, int, int]:
+    """(n_tiles, NT, B * H) for the chunk-parallel kernels gla_chunk_output (n_tiles = cdiv(V, BV))
+    and gla_chunk_bwd_dqkg (cdiv(K, BK)).
+
+    Once a scan has written the per-chunk states, chunks are independent: every (tile, chunk,
+    batch*head) is its own program, B * H * NT * n_tiles in all.
+    """
+    return (n_tiles, math.ceil(T / block_t), B * H)
+
+
+# ----------------------------------------------------------------------------------------------
+# launching
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch(template: str, options: dict, tensors: dict[str, Optional[Tensor]], out: Tensor, grid,
+            tiles: TileConfig) -> None:
+    present = {n: t for n, t in tensors.items() if t is not None}
+    ndims = {n: t.dim() for n, t in present.items()}
+    ndims[OUT] = out.dim()
+    int64_index = any(needs_int64(t) for t in (*present.values(), out))
+    kernel = render((template, "gla_common"), template, options, ndims, int64_index)
+    kernel(grid, present, out, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+class _Launcher:
+    """Options shared by one forward or backward call, and its launches."""
+
+    def __init__(self, cfg: ChunkConfig, call: GLACall):
+        self.cfg = cfg
+        self.device = call.q.device
+        self.B, self.T, _, self.K = call.q.shape
+        self.H, self.V = call.v.shape[2], call.v.shape[-1]  # q and k may have fewer heads (group_size)
+        # every kernel that reads g also reads the fused gate's parameters (None unless "softplus")
+        self.gates = dict(g=call.g, g_gamma=call.g_gamma, gate_a=call.gate_a, gate_bias=call.gate_bias)
+        self.options = kernel_options(cfg, call.q.dtype, self.K, call.gate_kind, call.scale, call.reverse,
+                                      interpreting(), call.gate, call.group_size)
+
+    def states(self) -> Tensor:
+        """An uninitialized [B, NT, H, K, V] per-chunk state buffer."""
+        NT = math.ceil(self.T / self.cfg.block_t)
+        return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
+
+    def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
+             h0=None, h=None, ht=None) -> None:
+        tiles = self.cfg.states if not write_out else self.cfg.dual if dual else self.cfg.scan
+        if self.device.type == "cuda" and faulting_tile(self.options["BK"], tiles, self.options["USE_GK"]):
+            raise ValueError(f"gla_inductor: {tiles} for a vector gate with K = {self.K} is known to fault on the "
+                             "GPU (triton 3.6); use at least 8 warps")
+        store_ht = ht is not None and ht.numel() > 0
+        options = dict(scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                                    use_h0=h0 is not None, store_ht=store_ht), BV=tiles.block_v)
+        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None)
+        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
+
+    def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """gla_chunk_local: (qs, ks, A, dl), see the template."""
+        NT = math.ceil(self.T / self.cfg.block_t)
+        terms = local_terms(self.options, self.B, self.T, self.H, self.K, NT, self.cfg.block_t)
+        qs, ks, A, dl = (None if terms[n] is None else torch.empty(terms[n][0], dtype=terms[n][1], device=self.device)
+                         for n in ("qs", "ks", "A", "dl"))
+        options = local_options(self.options, transpose)
+        tensors = dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl)
+        _launch("gla_chunk_local", options, tensors, A, (NT, self.B * self.H), self.cfg.local_tile)
+        return qs, ks, A, dl
+
+    def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,
+              dl: Optional[Tensor], x=None, A=None, h0=None, h=None, ht=None, segments: int = 1) -> None:
+        """gla_chunk_carry (see the template), on gla_chunk_local's terms; with segments > 1, first
+        the segments' sums (``segment_sums``), then the walk, both in parallel over the segments."""
+        tiles = self.cfg.carry
+        store_ht = ht is not None and ht.numel() > 0
+        hs, ds = self.segment_sums(y, v, dl, dual, segments) if segments > 1 else (None, None)
+        options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments), BV=tiles.block_v)
+        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None)
+        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
+
+    def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool,
+                     segments: int) -> tuple[Tensor, Optional[Tensor]]:
+        """gla_chunk_carry's SEGMENT_SUMS mode: (hs [B, P, H, K, V], ds [B, P, H(, K)] or None), the
+        state each of the P segments leaves from a zero start and the decay across it."""
+        tiles = self.cfg.carry
+        hs = torch.empty(self.B, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        ds = None if dl is None else torch.empty(self.B, segments, *dl.shape[2:], dtype=torch.float32,
+                                                  device=self.device)
+        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True), BV=tiles.block_v)
+        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds), hs, grid, tiles)
+        return hs, ds
+
+    def output(self, out: Tensor, *, dual: bool, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> None:
+        tiles = self.cfg.output
+        options = dict(self.options, BV=tiles.block_v, DUAL=dual)
+        grid = chunk_grid(self.B, self.T, self.H, self.cfg.block_t, math.ceil(self.V / tiles.block_v))
+        _launch("gla_chunk_output", options, dict(q=q, k=k, v=v, **self.gates, h=h), out, grid, tiles)
+
+    def dqkg(self, dq: Tensor, *, q, k, v, do, h, dh, dk, dg) -> None:
+        tiles = self.cfg.dqkg
+        block_k = dqkg_block_k(self.cfg, self.options)
+        options = dict(self.options, BK=block_k, BV=tiles.block_v)
+        grid = chunk_grid(self.B, self.T, self.H, self.cfg.block_t, math.ceil(self.K / block_k))
+        tensors = dict(q=q, k=k, v=v, **self.gates, do=do, h=h, dh=dh, dk=dk, dg=dg)
+        _launch("gla_chunk_bwd_dqkg", options, tensors, dq, grid, tiles)
+
+
+def _head_grad(x: Tensor, v: Tensor) -> Tensor:
+    """The buffer gla_chunk_bwd_dqkg writes the gradient of q or k into: like x, or, for a q or k shared
+    by groups of heads, one fp32 gradient per head of v, which ``sum_groups`` then reduces. The heads
+    of a group run in different programs: summing in the kernel would need atomics (nondeterministic,
+    and rounding every partial sum to a 16-bit dtype)."""
+    if x.shape[2] == v.shape[2]:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return torch.empty(*x.shape[:2], v.shape[2], x.shape[3], dtype=torch.float32, device=x.device)
+
+
+def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, ChunkConfig]:
+    """The call with q, k, v in their promoted dtype (copies only when they differ), and the config."""
+    dtype = call.output_dtype
+    call = call.replace(q=call.q.to(dtype), k=call.k.to(dtype), v=call.v.to(dtype))
+    B, T, _, K = call.q.shape
+    H, V = call.v.shape[2], call.v.shape[-1]
+    cfg = config or default_config(B, T, H, K, V, dtype, call.gate_kind == "vector", call.q.device)
+    return call, cfg
+
+
+def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor, Tensor]:
+    """(o [B, T, H, V] in the promoted input dtype, final state fp32 [B, H, K, V] or an empty [0]).
+
+    With a fused gate (``call.gate``), g is that function's input."""
+    call, cfg = _prepare(call, config)
+    q, k, v, initial_state = call.q, call.k, call.v, call.initial_state
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
+    o = q.new_empty(B, T, H, V)
+    ht = q.new_empty((B, H, K, V) if call.output_final_state else (0,), dtype=torch.float32)
+    if T == 0:
+        if call.output_final_state:
+            ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
+        return o, ht
+    run = _Launcher(cfg, call)
+    if cfg.local:
+        qs, ks, A, dl = run.local(q, k, transpose=False)
+        run.carry(o, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl, h0=initial_state,
+                  ht=ht, segments=cfg.segments)
+    elif cfg.split:
+        h = run.states()
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht)
+        run.output(o, dual=False, q=q, k=k, v=v, h=h)
+    else:
+        run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht)
+    return o, ht
+
+
+def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[ChunkConfig] = None
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dg_gamma, dh0), each like its input; an empty [0] where the input is None.
+
+    With a fused gate, dg is the gradient w.r.t. g itself where ``gate.input_grad``, else the fp32
+    gradient w.r.t. the log gate (``gates.gate_grads`` goes on)."""
+    q, k, v, g, g_gamma, initial_state, gate = call.q, call.k, call.v, call.g, call.g_gamma, call.initial_state, \
+        call.gate
+    dq, dk = (_head_grad(x, v) for x in (q, k))
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dg_dtype = None if g is None else torch.float32 if gate.name and not gate.input_grad else g.dtype
+    dg = q.new_empty(0) if g is None else torch.empty(g.shape, dtype=dg_dtype, device=g.device)
+    dh0 = q.new_empty(0) if initial_state is None else torch.empty(
+        initial_state.shape, dtype=initial_state.dtype, device=initial_state.device)
+    G = q.shape[2]
+    q_dtype, k_dtype = q.dtype, k.dtype
+    call, cfg = _prepare(call, config)
+    q, k, v = call.q, call.k, call.v
+    B, T, H = v.shape[:3]
+    if T == 0:
+        for x in (dq, dk, dv, dg):
+            x.zero_()
+        if initial_state is not None:
+            dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        dq, dk = sum_groups(dq, G, q_dtype), sum_groups(dk, G, k_dtype)
+        return dq, dk, dv, dg, (q.new_empty(0) if g_gamma is None else torch.zeros_like(g_gamma)), dh0
+
+    run = _Launcher(cfg, call)
+    h = run.states()
+    dh = run.states()
+    if cfg.local:
+        # chunk-local terms once; the dual scan takes x = ks, y = qs and the scores' transpose
+        qs, ks, At, dl = run.local(q, k, transpose=True)
+        run.carry(h, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state,
+                  segments=cfg.segments)
+        run.carry(dv, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl, h0=dht, h=dh,
+                  ht=dh0, segments=cfg.segments)
+        del qs, ks, At
+    elif cfg.split:
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
+        run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0)
+        run.output(dv, dual=True, q=q, k=k, v=do, h=dh)
+    else:
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
+        run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0)
+    # constant gate: per-step gradients [B, T, H], summed over batch and time below
+    dg_steps = None if g_gamma is None else q.new_empty(B, T, H, dtype=torch.float32)
+    run.dqkg(dq, q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg if g_gamma is None else dg_steps)
+    dg_gamma = q.new_empty(0) if g_gamma is None else dg_steps.sum((0, 1)).to(g_gamma.dtype)
+    return sum_groups(dq, G, q_dtype), sum_groups(dk, G, k_dtype), dv, dg, dg_gamma, dh0

@@ -1,0 +1,132 @@
+"""The public functions: ``chunk_gla`` (training and prefill) and ``fused_recurrent_gla`` (decoding),
+FLA-compatible. They validate their inputs with clear errors and call the ops."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..contract import GLACall, LayoutWarning, validate_gate, validate_inputs
+from ..gates import GateFn
+from .chunk import run_chunk_gla
+from .recurrent import fused_recurrent  # noqa: F401  (defines the op called below)
+
+__all__ = ["chunk_gla", "fused_recurrent_gla"]
+
+
+def _warn_if_head_first(q: Tensor) -> None:
+    """Warn, once per call site (Python's default filter), where q's sizes suggest [B, H, T, K] was
+    passed for [B, T, H, K]: fewer steps than heads is rare in training and prefill and common in a
+    head-first tensor. Not while compiling: a warning would break the graph."""
+    B, T, H, _ = q.shape
+    if T < H and not torch.compiler.is_compiling():
+        warnings.warn(
+            f"chunk_gla: q has shape {tuple(q.shape)}, read as [B, T, H, K] with T = {T} steps and H = {H} "
+            "heads; fewer steps than heads suggests a head-first [B, H, T, K] tensor (transpose it with "
+            "q.transpose(1, 2)). If the layout is right, silence this with "
+            "warnings.simplefilter('ignore', gla_inductor.LayoutWarning).", LayoutWarning, stacklevel=3)
+
+
+def chunk_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor] = None,
+    *,
+    g_gamma: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    gate_fn: Optional[str] = None,
+    gate_scale: float = 1.0,
+    gate_lo: Optional[float] = None,
+    gate_hi: Optional[float] = None,
+    gate_a: Optional[Tensor] = None,
+    gate_bias: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Gated linear attention, FLA-compatible.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]. Grouped heads (GQA, Mamba2's shared C and B): q, k may be
+            [B, T, G, K] with G dividing H; head h reads q/k head h // (H // G), as if they were
+            ``q.repeat_interleave(H // G, dim=2)``, without materializing that; their gradients
+            come back [B, T, G, K].
+        g: per-step log gate, [B, T, H, K] (vector) or [B, T, H] (scalar). Usually <= 0.
+        g_gamma: [H] constant log gate (g_t = g_gamma[h] at every step); at most one of g / g_gamma.
+        scale: defaults to K ** -0.5.
+        initial_state: [B, H, K, V] state before the first processed step.
+        output_final_state: also return the state after the last processed step.
+        reverse: run the recurrence from t = T - 1 down to 0.
+        gate_fn: "logsigmoid" or "softplus": g is the input x of a gate function that the kernels
+            apply as they read it (see ``gla_inductor.gates``), with its constants gate_scale,
+            gate_lo / gate_hi (clamp bounds) and, for "softplus", gate_a [H] and gate_bias [H]
+            (scalar gate) or [H, K] (vector gate):
+            logsigmoid: g = clamp(logsigmoid(x) * gate_scale, gate_lo, gate_hi)
+            softplus:   g = gate_a * clamp(softplus(x + gate_bias), gate_lo, gate_hi)
+
+    Returns:
+        o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
+        (fp32, fp64 for fp64 inputs) or None.
+    """
+    validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True)
+    _warn_if_head_first(q)
+    fn = GateFn(gate_fn or "", float(gate_scale), _opt_float(gate_lo), _opt_float(gate_hi))
+    validate_gate(fn, q, g, gate_a, gate_bias)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    call = GLACall(q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse), fn,
+                   gate_a, gate_bias)
+    o, ht = run_chunk_gla(call)
+    return o, (ht if output_final_state else None)
+
+
+def _opt_float(x) -> Optional[float]:
+    return None if x is None else float(x)
+
+
+def fused_recurrent_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor] = None,
+    *,
+    g_gamma: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Gated linear attention as a recurrence, for decoding and short steps; FLA-compatible.
+
+    The same map as ``chunk_gla`` (same arguments and returns), computed step by step: on CUDA one
+    kernel that reads and writes the state once. Inference only (no backward). ``initial_state`` is
+    not modified; for in-place decoding call ``torch.ops.gla_inductor.fused_recurrent`` on the cache.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V].
+        g: per-step log gate, [B, T, H, K] (vector) or [B, T, H] (scalar). Usually <= 0.
+        g_gamma: [H] constant log gate; at most one of g / g_gamma.
+        scale: defaults to K ** -0.5.
+        initial_state: [B, H, K, V] state before the first processed step.
+        output_final_state: also return the state after the last processed step.
+        reverse: run the recurrence from t = T - 1 down to 0.
+
+    Returns:
+        o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
+        (fp32, fp64 for fp64 inputs) or None.
+    """
+    validate_inputs(q, k, v, g, g_gamma, initial_state, api="fused_recurrent_gla")
+    B, _, H, K = q.shape
+    if scale is None:
+        scale = K**-0.5
+    call = GLACall(q, k, v, g, g_gamma, initial_state, float(scale), reverse=bool(reverse))
+    if initial_state is None:
+        state = q.new_zeros(B, H, K, v.shape[-1], dtype=call.state_dtype)
+    else:
+        state = initial_state.to(call.state_dtype, copy=True)
+    o = torch.ops.gla_inductor.fused_recurrent(*call.recurrent_op_args(state))
+    return o, (state if output_final_state else None)

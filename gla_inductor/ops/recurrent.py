@@ -1,0 +1,95 @@
+"""Custom op ``gla_inductor::fused_recurrent``, for decoding and short steps.
+
+    o = torch.ops.gla_inductor.fused_recurrent(q, k, v, g, g_gamma, state, scale, reverse)
+
+runs T steps of GLA from ``state`` [B, H, K, V] and overwrites ``state`` with the final state (in
+its own dtype; the math is fp32, fp64 for fp64 inputs). It returns o [B, T, H, V] in the promoted
+dtype of q, k, v. Meant for decoding (T = 1) and short multi-token steps (T <= 64), where the state's
+HBM traffic dominates: on CUDA the fused recurrent Triton kernel reads and writes it exactly once.
+
+Inference only: the op has no backward, and refuses inputs that require grad under grad mode
+(training runs ``gla_inductor::chunk_fwd``). Under ``torch.compile`` the mutation is functionalized
+(``auto_functionalized``) and Inductor's reinplacing pass turns it back into an in-place call on the
+caller's state.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..contract import RECURRENT_ARGS, GLACall, output_dtype
+from . import dispatch
+
+__all__ = ["fused_recurrent"]
+
+
+# ----------------------------------------------------------------------------------------------
+# the op
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_state(q: Tensor, v: Tensor, state: Tensor) -> None:
+    """The kernel would write out of bounds through a wrong state: check it (the rest is the caller's)."""
+    B, _, H, K = q.shape
+    expected = (B, H, K, v.shape[-1])
+    if tuple(state.shape) != expected:
+        raise ValueError(
+            f"gla_inductor::fused_recurrent: state has shape {tuple(state.shape)} but q has shape "
+            f"{tuple(q.shape)} and v {tuple(v.shape)}; expected state to be [B, H, K, V] = {list(expected)}"
+        )
+
+
+@torch.library.custom_op("gla_inductor::fused_recurrent", mutates_args=("state",))
+def fused_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor],
+    g_gamma: Optional[Tensor],
+    state: Tensor,
+    scale: float,
+    reverse: bool,
+) -> Tensor:
+    """GLA over T steps from ``state`` [B, H, K, V], which it overwrites with the final state.
+
+    Returns o [B, T, H, V] in the promoted dtype of q, k, v.
+    """
+    _check_state(q, v, state)
+    call = GLACall.from_op_args((q, k, v, g, g_gamma, state, scale, reverse), names=RECURRENT_ARGS)
+    return dispatch.fused_recurrent(call, state)
+
+
+@fused_recurrent.register_fake
+def _fused_recurrent_fake(q, k, v, g, g_gamma, state, scale, reverse):
+    _check_state(q, v, state)
+    B, T, H, _ = q.shape
+    return q.new_empty(B, T, H, v.shape[-1], dtype=output_dtype(q, k, v))
+
+
+def _inference_only(keyset, *args):
+    """The op's autograd kernel: refuse inputs that require grad, else run the op below autograd.
+
+    A mutating custom op cannot register a backward (``register_autograd`` refuses it), and without
+    one ``custom_op``'s own autograd kernel would run the op, mutate the state, and fail only at
+    backward time; this fails before anything runs.
+    """
+    if torch.is_grad_enabled():
+        needing = [n for n, x in zip(RECURRENT_ARGS, args) if isinstance(x, Tensor) and x.requires_grad]
+        if needing:
+            raise RuntimeError(
+                f"gla_inductor::fused_recurrent is inference-only (it has no backward), but "
+                f"{', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad under grad mode. "
+                "For training use gla_inductor.chunk_gla (the gla_inductor::chunk_fwd op); for "
+                "inference call it under torch.no_grad() or torch.inference_mode()."
+            )
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.gla_inductor.fused_recurrent.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, *args)
+
+
+# Registered per backend: a backend's own autograd key takes precedence over the "Autograd" alias
+# under which custom_op registered its generic kernel, so nothing is overridden.
+_lib = torch.library.Library("gla_inductor", "IMPL")
+for _key in ("AutogradCPU", "AutogradCUDA"):
+    _lib.impl("fused_recurrent", _inference_only, _key, with_keyset=True)

@@ -1,1 +1,0 @@
-"""Jinja sources of the GLA Triton kernels (``gla_*.py.jinja``) and their standalone renderer."""
