@@ -31,13 +31,13 @@ triton_kernels: bool = True
 # the kernel tests on an H100 (torch 2.11, triton 3.6; benchmarks/results/h100-2026-11-22.md).
 triton_gates: tuple = ("vector", "scalar", "constant", "none")
 
-# Run the ops on CPU as step loops in C++ (gla_inductor/cpu_recurrent.py says why), compiled on
+# Run the ops on CPU as step loops in C++ (gla_inductor/impl/step_loop.py says why), compiled on
 # first use; False forces the chunked PyTorch implementation, which fp64 and machines without a
 # C++ compiler take anyway.
 cpu_kernel: bool = True
 
 # Bytes of intermediates the CPU implementation may keep between calls, per thread
-# (gla_inductor/scratch.py says why); 0 allocates every one afresh.
+# (gla_inductor/impl/scratch.py says why); 0 allocates every one afresh.
 cpu_scratch_bytes: int = 64 * 2**20
 
 

@@ -8,7 +8,7 @@ minor page faults per call, ~3 ms on a 2-core VM, more than its computation
 
 Each buffer has a name, one per intermediate of a call, and is kept per thread (two threads never
 share one). A buffer is a view into storage that the next call with that name overwrites: only
-intermediates may live there, never an op's output (``ops._from_chunks`` always copies). The
+intermediates may live there, never an op's output (``chunked._from_chunks`` always copies). The
 total kept per thread is bounded by ``config.cpu_scratch_bytes``; past it, tensors are allocated
 as usual.
 """
