@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "gla_inductor"
 
 # The stages from the bottom up: a module may import its own stage and the ones below it.
 STAGES = [
-    ("gla_inductor.config", "gla_inductor.gates", "gla_inductor.reference", "gla_inductor.cache_key"),
+    ("gla_inductor.config", "gla_inductor.gates", "gla_inductor.reference", "gla_inductor.cache_key",
+     "gla_inductor.cost"),
     ("gla_inductor.contract",),
     ("gla_inductor.impl",),
     ("gla_inductor.kernels",),
