@@ -36,10 +36,11 @@ CHUNK_FWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "outp
                   "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias")
 CHUNK_BWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "do", "dht", "scale", "reverse",
                   "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias")
-RECURRENT_ARGS = ("q", "k", "v", "g", "g_gamma", "state", "scale", "reverse")
+RECURRENT_ARGS = ("q", "k", "v", "g", "g_gamma", "state", "scale", "reverse", "state_indices")
 
 # Values of the trailing arguments that a call may leave out (the schemas' defaults).
-_DEFAULTS = {"gate_fn": "", "gate_scale": 1.0, "gate_lo": None, "gate_hi": None, "gate_a": None, "gate_bias": None}
+_DEFAULTS = {"gate_fn": "", "gate_scale": 1.0, "gate_lo": None, "gate_hi": None, "gate_a": None, "gate_bias": None,
+             "state_indices": None}
 
 
 @dataclass(frozen=True, eq=False)  # tensors compare elementwise: a call is equal only to itself
@@ -51,6 +52,9 @@ class GLACall:
     g: log gate [B, T, H, K] (vector) or [B, T, H] (scalar), or, with a fused ``gate``, that
     function's input; g_gamma: [H] constant log gate; initial_state: [B, H, K, V];
     gate_a [H], gate_bias [H] or [H, K]: the parameters of a "softplus" gate.
+    state_indices: [B] int32/int64 slots of a state pool (``fused_recurrent`` only): initial_state is
+    then a pool [P, H, K, V] and sequence b reads and writes slot state_indices[b]; an index outside
+    [0, P) marks a padded batch entry (output zeros, no slot touched).
     """
 
     q: Any
@@ -65,6 +69,7 @@ class GLACall:
     gate: GateFn = GateFn()
     gate_a: Any = None
     gate_bias: Any = None
+    state_indices: Any = None
 
     # ---- derived facts --------------------------------------------------------------------------
     @property
@@ -116,7 +121,7 @@ class GLACall:
         fn = self.gate
         return dict(self.tensors(), scale=float(self.scale), output_final_state=bool(self.output_final_state),
                     reverse=bool(self.reverse), gate_fn=fn.name, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi,
-                    **extra)
+                    state_indices=self.state_indices, **extra)
 
     def op_args(self, full: bool = False) -> tuple:
         """``chunk_fwd``'s positional arguments, the fused gate's left out where they are all
@@ -128,7 +133,8 @@ class GLACall:
         return _positional(CHUNK_BWD_ARGS, self._named(do=do, dht=dht))
 
     def recurrent_op_args(self, state) -> tuple:
-        """``fused_recurrent``'s arguments: the state it reads and overwrites takes initial_state's place."""
+        """``fused_recurrent``'s arguments: the state it reads and overwrites takes initial_state's place;
+        state_indices only when given (without them, the 8 arguments the op has always been called with)."""
         return _positional(RECURRENT_ARGS, self._named(state=state))
 
     @classmethod
@@ -145,7 +151,7 @@ class GLACall:
                    initial_state=named.get("initial_state"), scale=named.get("scale", 1.0),
                    output_final_state=bool(named.get("output_final_state", "state" in names)),
                    reverse=bool(named.get("reverse", False)), gate=gate, gate_a=named["gate_a"],
-                   gate_bias=named["gate_bias"])
+                   gate_bias=named["gate_bias"], state_indices=named["state_indices"])
 
 
 def _positional(names: Sequence[str], named: dict, trim: bool = True) -> tuple:

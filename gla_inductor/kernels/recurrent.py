@@ -8,6 +8,9 @@ state outweighs the per-step traffic up to T ~ 100. The chunked scan does the pe
 tensor-core dots and wins as T grows: ``ops.dispatch.RECURRENT_MAX_T`` decides where the ops switch.
 
 ``forward(call, state_out)`` runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+With ``call.state_indices`` the initial state is a pool [P, H, K, V] (any strides: a V-first
+[P, H, V, K] pool is passed as its transpose) that the kernel reads and writes in place through the
+slot indices, which it loads on the device: the launch is capturable in a CUDA graph.
 """
 
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ __all__ = ["RecurrentConfig", "default_recurrent_config", "forward", "recurrent_
 MAX_K = 256  # every program holds whole key rows: a [K, BV] fp32 state tile in registers
 MAX_V = 512
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ def unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Opt
     for name, x in named:
         if x is not None and x.dtype not in _SUPPORTED_DTYPES:
             return f"{name} dtype {x.dtype} (supported: float32, float16, bfloat16)"
+    if call.state_indices is not None and call.state_indices.dtype not in _INDEX_DTYPES:
+        return f"state_indices dtype {call.state_indices.dtype} (supported: int32, int64)"
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
     if K > MAX_K:
@@ -93,9 +99,9 @@ def unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Opt
 
 
 def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *, block_v: int, use_h0: bool,
-                      store_ht: bool, group: int = 1) -> dict:
+                      store_ht: bool, group: int = 1, use_indices: bool = False) -> dict:
     """The template's options (jinja variables and constexprs); ``gate`` as ``GLACall.gate_kind``;
-    ``group`` the heads of v per head of q and k."""
+    ``group`` the heads of v per head of q and k; ``use_indices``: the states are slots of a pool."""
     return dict(
         BK=max(16, pow2(K)),
         BV=block_v,
@@ -108,6 +114,7 @@ def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *,
         REVERSE=bool(reverse),
         SCALE=float(scale),
         GROUP=int(group),
+        USE_INDICES=bool(use_indices),
     )
 
 
@@ -118,11 +125,20 @@ def forward(call: GLACall, state_out: Optional[Tensor], config: Optional[Recurre
     dividing H (head h reads q/k head h // (H // G)); its initial_state [B, H, K, V] (None: zeros),
     state_out [B, H, K, V] (None: not stored), any strides and any supported dtypes each; state_out
     may be the initial state itself. Math in fp32.
+
+    With ``call.state_indices`` [B]: the initial state is a pool [P, H, K, V], updated in place
+    (state_out is that pool, an identical view of it, or None); entry b reads and writes slot
+    state_indices[b], an entry whose index lies outside [0, P) gets o = 0 and touches no slot.
     """
     q, v = call.q, call.v
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
+    indices = call.state_indices
+    if indices is not None:
+        _check_pool(call, state_out)
     o = torch.empty(B, T, H, V, dtype=call.output_dtype, device=q.device)
+    if indices is not None and (T == 0 or B * H == 0):
+        return o  # no step: every slot keeps its state
     if T == 0 or B * H == 0:
         # no step: the final state is the initial one (the kernel would get an empty o)
         if state_out is not None:
@@ -131,9 +147,9 @@ def forward(call: GLACall, state_out: Optional[Tensor], config: Optional[Recurre
     cfg = config or default_recurrent_config(B, H, K, V, q.device)
     options = recurrent_options(K, V, call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
                                 use_h0=call.initial_state is not None, store_ht=state_out is not None,
-                                group=call.group_size)
+                                group=call.group_size, use_indices=indices is not None)
     tensors = {"q": q, "k": call.k, "v": v, "g": call.g, "g_gamma": call.g_gamma, "h0": call.initial_state,
-               "ht": state_out}
+               "ht": state_out, "idx": indices}
     present = {n: t for n, t in tensors.items() if t is not None}
     ndims = {n: t.dim() for n, t in present.items()}
     ndims[OUT] = o.dim()
@@ -141,3 +157,20 @@ def forward(call: GLACall, state_out: Optional[Tensor], config: Optional[Recurre
     kernel = render(("gla_recurrent", "gla_common"), "gla_recurrent", options, ndims, int64_index)
     kernel(recurrent_grid(B, H, V, cfg.block_v), present, o, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o
+
+
+def _check_pool(call: GLACall, state_out: Optional[Tensor]) -> None:
+    """The launch reads and writes the pool through raw pointers: check what it relies on."""
+    pool, indices = call.initial_state, call.state_indices
+    if pool is None:
+        raise ValueError("gla_recurrent: state_indices need an initial state: the pool [P, H, K, V]")
+    same = state_out is None or (state_out.data_ptr() == pool.data_ptr() and state_out.shape == pool.shape
+                                 and state_out.stride() == pool.stride() and state_out.dtype == pool.dtype)
+    if not same:
+        raise ValueError("gla_recurrent: with state_indices the final states go to the pool itself "
+                         "(state_out must be the initial state or None)")
+    B, _, _, K = call.q.shape
+    H, V = call.v.shape[2], call.v.shape[-1]
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != (H, K, V) or tuple(indices.shape) != (B,):
+        raise ValueError(f"gla_recurrent: pool has shape {tuple(pool.shape)} and state_indices "
+                         f"{tuple(indices.shape)}; expected [P, H, K, V] = [P, {H}, {K}, {V}] and [B] = [{B}]")

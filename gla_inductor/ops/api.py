@@ -9,8 +9,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..contract import GLACall, LayoutWarning, validate_gate, validate_inputs
+from ..contract import GLACall, LayoutWarning, _check_shape, _check_tensor, validate_gate, validate_inputs
 from ..gates import GateFn
+from ..impl.recurrent import gather_slots, slot_validity
 from .chunk import run_chunk_gla
 from .recurrent import fused_recurrent  # noqa: F401  (defines the op called below)
 
@@ -99,34 +100,108 @@ def fused_recurrent_gla(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     reverse: bool = False,
+    ssm_state_indices: Optional[Tensor] = None,
+    inplace_final_state: bool = False,
+    state_v_first: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Gated linear attention as a recurrence, for decoding and short steps; FLA-compatible.
 
     The same map as ``chunk_gla`` (same arguments and returns), computed step by step: on CUDA one
-    kernel that reads and writes the state once. Inference only (no backward). ``initial_state`` is
-    not modified; for in-place decoding call ``torch.ops.gla_inductor.fused_recurrent`` on the cache.
+    kernel that reads and writes the state once. Inference only (no backward).
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, H, V].
         g: per-step log gate, [B, T, H, K] (vector) or [B, T, H] (scalar). Usually <= 0.
         g_gamma: [H] constant log gate; at most one of g / g_gamma.
         scale: defaults to K ** -0.5.
-        initial_state: [B, H, K, V] state before the first processed step.
+        initial_state: [B, H, K, V] state before the first processed step; with ssm_state_indices, a
+            state pool [P, H, K, V] (any P). fp32, bf16, fp16 or fp64; any strides.
         output_final_state: also return the state after the last processed step.
         reverse: run the recurrence from t = T - 1 down to 0.
+        ssm_state_indices: [B] int32 or int64 on q's device (serving engines' continuous batching,
+            as vLLM calls FLA-style recurrent kernels): sequence b starts from slot
+            ``initial_state[ssm_state_indices[b]]``. An index outside [0, P), by convention -1 (a
+            PAD slot id), marks a padded batch entry: its output is zeros, no slot is read or
+            written, and its final state (when returned fresh) is zeros. Valid indices must be
+            distinct. The indices are only read on the device: the call can be captured in a
+            CUDA graph.
+        inplace_final_state: write the final states into ``initial_state`` itself, in its own dtype
+            (with ssm_state_indices: each sequence into its slot, all other slots untouched), as
+            vLLM's decode does. Otherwise ``initial_state`` is not modified and the final states
+            are a fresh fp32 tensor [B, H, K, V] (fp64 for fp64 inputs).
+        state_v_first: the states are stored V-first, [.., V, K] (as vLLM and SGLang keep their
+            pools): initial_state is [B, H, V, K] or [P, H, V, K], and so is a returned final state.
+            Read and written through strides, without a copy.
 
     Returns:
-        o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
-        (fp32, fp64 for fp64 inputs) or None.
+        o [B, T, H, V] in the promoted dtype of q, k, v, and the final state or None (None unless
+        output_final_state; with inplace_final_state it is ``initial_state`` itself).
     """
-    validate_inputs(q, k, v, g, g_gamma, initial_state, api="fused_recurrent_gla")
-    B, _, H, K = q.shape
+    api = "fused_recurrent_gla"
+    pooled = ssm_state_indices is not None
+    validate_inputs(q, k, v, g, g_gamma, None if pooled or state_v_first else initial_state, api=api)
+    _validate_state_args(q, v, initial_state, ssm_state_indices, inplace_final_state, state_v_first)
     if scale is None:
-        scale = K**-0.5
-    call = GLACall(q, k, v, g, g_gamma, initial_state, float(scale), reverse=bool(reverse))
-    if initial_state is None:
-        state = q.new_zeros(B, H, K, v.shape[-1], dtype=call.state_dtype)
-    else:
-        state = initial_state.to(call.state_dtype, copy=True)
+        scale = q.shape[-1] ** -0.5
+    h0 = None if initial_state is None else _kv(initial_state, state_v_first)
+    # the gate passed explicitly: Dynamo cannot trace the dataclass default GateFn() instance
+    call = GLACall(q, k, v, g, g_gamma, h0, float(scale), reverse=bool(reverse), gate=GateFn(),
+                   state_indices=ssm_state_indices)
+    if inplace_final_state:
+        o = torch.ops.gla_inductor.fused_recurrent(*call.recurrent_op_args(h0))
+        return o, (initial_state if output_final_state else None)
+    state, call = _working_state(call, state_v_first)
     o = torch.ops.gla_inductor.fused_recurrent(*call.recurrent_op_args(state))
-    return o, (state if output_final_state else None)
+    return o, (_kv(state, state_v_first) if output_final_state else None)
+
+
+def _kv(state: Tensor, v_first: bool) -> Tensor:
+    """The [.., K, V] view of a state stored V-first (and back): the op reads it through strides."""
+    return state.transpose(-1, -2) if v_first else state
+
+
+def _working_state(call: GLACall, v_first: bool) -> tuple[Tensor, GLACall]:
+    """A fresh state [B, H, K, V] in the state dtype (a view of a [B, H, V, K] tensor where v_first)
+    holding the initial states, for a call that leaves initial_state alone, and the call to run on it.
+    With state indices the gathered slots run as a pool of B slots, entry b in slot b: padded
+    entries keep zero states and get zero outputs."""
+    q, v, h0, indices = call.q, call.v, call.initial_state, call.state_indices
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    state = _kv(q.new_empty((B, H, V, K) if v_first else (B, H, K, V), dtype=call.state_dtype), v_first)
+    if indices is not None:
+        state.copy_(gather_slots(h0, indices, call.state_dtype))
+        valid, _ = slot_validity(indices, h0.shape[0])
+        return state, call.replace(state_indices=torch.where(valid, torch.arange(B, device=q.device), -1))
+    if h0 is None:
+        return state.zero_(), call
+    return state.copy_(h0), call
+
+
+def _validate_state_args(q: Tensor, v: Tensor, state: Optional[Tensor], indices: Optional[Tensor], inplace: bool,
+                         v_first: bool, api: str = "fused_recurrent_gla") -> None:
+    """Clear errors for the state, pool and slot arguments (what validate_inputs leaves to this)."""
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    if state is None:
+        if indices is not None or inplace:
+            what = "ssm_state_indices" if indices is not None else "inplace_final_state=True"
+            raise ValueError(f"{api}: {what} needs initial_state (the state {'pool ' if indices is not None else ''}"
+                             "to read and write)")
+        return
+    _check_tensor(api, "initial_state", state)
+    if state.device != q.device:
+        raise ValueError(f"{api}: initial_state is on {state.device} but q is on {q.device}; all tensors must "
+                         "share one device")
+    n, letter = (None, "P") if indices is not None else (B, "B")
+    layout, dims = ((f"[{letter}, H, V, K]", (n, H, V, K)) if v_first else (f"[{letter}, H, K, V]", (n, H, K, V)))
+    _check_shape(api, "initial_state", state, q, layout, dims)
+    if indices is None:
+        return
+    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{api}: ssm_state_indices must be an int32 or int64 tensor, got "
+                        f"{getattr(indices, 'dtype', type(indices).__name__)}")
+    _check_shape(api, "ssm_state_indices", indices, q, "[B]", (B,))
+    if indices.device != q.device:
+        raise ValueError(f"{api}: ssm_state_indices is on {indices.device} but q is on {q.device}; the slots are "
+                         "read on the device (no host synchronization)")

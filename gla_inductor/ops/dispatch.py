@@ -4,8 +4,8 @@
 and longer ones on the chunked kernels; its backward always runs the chunked kernels. On CPU both
 run the C++ step loop where it applies (``impl.step_loop``), else the chunked PyTorch algorithm
 (``impl.chunked``), which is also every CUDA call's fallback. ``fused_recurrent`` (the decode op)
-runs the recurrent kernel on CUDA and a PyTorch time loop on CPU. Every fallback's reason is
-logged once.
+runs the recurrent kernel on CUDA and a PyTorch time loop on CPU, on a state or, with state
+indices, on the slots of a state pool. Every fallback's reason is logged once.
 """
 
 from __future__ import annotations
@@ -163,7 +163,14 @@ def fused_recurrent_gpu(call: GLACall, state: Tensor) -> Tensor:
 
 
 def _via_chunks(call: GLACall, state: Tensor) -> Tensor:
-    """The decode op through the chunked implementations (the kernels on CUDA)."""
-    o, ht = chunk_fwd(call.replace(initial_state=state, output_final_state=True))
-    state.copy_(ht)
-    return o
+    """The decode op through the chunked implementations (the kernels on CUDA); a pool's slots are
+    gathered before and scattered after."""
+    indices = call.state_indices
+    if indices is None:
+        o, ht = chunk_fwd(call.replace(initial_state=state, output_final_state=True))
+        state.copy_(ht)
+        return o
+    h0 = recurrent.gather_slots(state, indices, call.state_dtype)
+    o, ht = chunk_fwd(call.replace(initial_state=h0, output_final_state=True, state_indices=None))
+    recurrent.scatter_slots(state, indices, ht)
+    return recurrent.zero_padded(o, indices, state.shape[0])
