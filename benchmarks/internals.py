@@ -188,4 +188,4 @@ def backend_listener(fn):
     try:
         yield
     finally:
-        _listeners.remove(fn)
+        del _listeners[next(i for i, x in enumerate(_listeners) if x is fn)]

@@ -331,6 +331,7 @@ def run(args):
             result.meta["phases"][name] = record
             result.rows += rows
             tracebacks += tbs
+            result.sections = models_report.sections(result.meta, result.rows)
             if args.out:  # after every phase: a run killed later keeps the phases done
                 result.write(args.out, args.stem)
     result.sections = models_report.sections(result.meta, result.rows)
