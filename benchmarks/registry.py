@@ -1,0 +1,45 @@
+"""The named benchmarks and tools of ``python -m benchmarks NAME``.
+
+Each entry's module defines ``add_arguments(parser)`` and ``run(args) -> Result | None``; modules
+are imported only when their name is run, so ``--help`` needs no GPU and no optional package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    module: str
+    summary: str
+    tool: bool = False  # a tool (sweeps, profiles): subcommands, results mostly printed
+
+
+BENCHMARKS = {
+    "kernels": Entry("benchmarks.kernels",
+                     "chunk_gla kernels, forward and forward+backward, vector and scalar gates, against FLA "
+                     "chunk_gla / chunk_simple_gla, the naive parallel form eager and under default torch.compile "
+                     "(CUDA)"),
+    "block": Entry("benchmarks.block",
+                   "a whole GLA block (projections, gate, GLA, norm, output gate) compiled with the backend, "
+                   "against the same block calling FLA: ms, memory, compile time (CUDA)"),
+    "decode": Entry("benchmarks.decode",
+                    "one-token decode with the fused recurrent kernel against FLA and naive PyTorch, % of copy "
+                    "bandwidth; the kernel's tiles; recurrent against chunked kernels over T (CUDA)"),
+    "models": Entry("benchmarks.models",
+                    "transformers' Mamba2 (torch path): mixer, grouped mixer, model prefill and decode, eager vs "
+                    "default Inductor vs the backend (CUDA; --quick runs tiny shapes on CPU too)"),
+    "cpu": Entry("benchmarks.cpu",
+                 "CPU: recognition time, the naive loop eager vs compiled (forward, training), the CPU ops "
+                 "(step loops vs chunked PyTorch)"),
+    "compile-time": Entry("benchmarks.compile_time",
+                          "cold compile time of the block, ours and FLA's, each run in a fresh process with "
+                          "empty caches (CUDA)"),
+    "tune": Entry("benchmarks.tune",
+                  "tile sweeps of the kernels (schedule, segments, slices, dqkg), stage ablations, A/B of code "
+                  "versions (CUDA)", tool=True),
+    "profile": Entry("benchmarks.profiling",
+                     "host time and cProfile of eager calls, CUDA kernel tables, Nsight Compute helpers, an "
+                     "offline sm_90 compile for registers and spills", tool=True),
+}
