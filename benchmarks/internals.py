@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from gla_inductor import cpu_recurrent, triton_chunk, triton_recurrent
 from gla_inductor.backend import _listeners
+from gla_inductor.contract import GLACall
 from gla_inductor.gates import GateFn
-from gla_inductor.ops import BT as CPU_CHUNK, _block_sums, _chunk_bwd_torch, _chunk_fwd_torch
+from gla_inductor.impl import step_loop
+from gla_inductor.impl.chunked import BT as CPU_CHUNK, _block_sums, _chunk_bwd_torch, _chunk_fwd_torch
+from gla_inductor.kernels import chunk as kchunk, configs as kconfigs, recurrent as krecurrent, standalone
 from gla_inductor.recognize import rewrite_graph
-from gla_inductor.templates import standalone
 
 __all__ = [
     "CPU_CHUNK", "ChunkConfig", "GateFn", "RecurrentConfig", "TileConfig", "backend_listener", "block_sums",
@@ -26,10 +27,10 @@ __all__ = [
     "recurrent_kernel", "rewrite_graph", "sm90_kernel_options", "standalone",
 ]
 
-TileConfig = triton_chunk.TileConfig
-ChunkConfig = triton_chunk.ChunkConfig
-RecurrentConfig = triton_recurrent.RecurrentConfig
-default_recurrent_config = triton_recurrent.default_recurrent_config
+TileConfig = kconfigs.TileConfig
+ChunkConfig = kconfigs.ChunkConfig
+RecurrentConfig = krecurrent.RecurrentConfig
+default_recurrent_config = krecurrent.default_recurrent_config
 block_sums = _block_sums
 
 
@@ -38,35 +39,34 @@ block_sums = _block_sums
 # ---------------------------------------------------------------------------------------------
 
 
-def default_chunk_config(B, T, H, K, V, dtype, vector_gate: bool, device) -> triton_chunk.ChunkConfig:
-    return triton_chunk.default_config(B, T, H, K, V, dtype, vector_gate, device)
+def default_chunk_config(B, T, H, K, V, dtype, vector_gate: bool, device) -> kconfigs.ChunkConfig:
+    return kconfigs.default_config(B, T, H, K, V, dtype, vector_gate, device)
 
 
 def chunk_fwd_kernel(q, k, v, g, *, scale: float, h0=None, output_final_state: bool = False, config=None):
     """The chunked forward's Triton kernels at ``config`` (None: the default): (o, ht)."""
-    return triton_chunk.chunk_fwd_triton(q, k, v, g, None, h0, scale, output_final_state, False, config=config)
+    return kchunk.forward(GLACall(q, k, v, g, None, h0, scale, output_final_state), config=config)
 
 
 def chunk_bwd_kernel(q, k, v, g, do, *, scale: float, config=None):
     """The chunked backward's Triton kernels: (dq, dk, dv, dg, ...)."""
-    return triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, do, None, scale, False, config=config)
+    return kchunk.backward(GLACall(q, k, v, g, scale=scale), do, None, config=config)
 
 
 def recurrent_kernel(q, k, v, g, *, state_in, state_out, scale: float, config=None):
     """The fused recurrent (decode) kernel: o; the final state goes to state_out (may be state_in)."""
-    return triton_recurrent.fused_recurrent_triton(q, k, v, g, None, state_in, state_out, scale, False,
-                                                   config=config)
+    return krecurrent.forward(GLACall(q, k, v, g, initial_state=state_in, scale=scale), state_out, config=config)
 
 
 def local_kernel(cfg, q, k, v, g, *, scale: float):
     """gla_chunk_local alone (the local schedule's chunk-parallel first kernel): (qs, ks, A, dl)."""
-    run = triton_chunk._Launcher(cfg, q, v, g, None, scale, False, GateFn(), None, None)
+    run = kchunk._Launcher(cfg, GLACall(q, k, v, g, scale=scale))
     return run.local(q, k, transpose=False)
 
 
 def dqkg_kernel(cfg, gate_fn: GateFn, *, q, k, v, g, do, h, dh, dq, dk, dg, scale: float):
     """gla_chunk_bwd_dqkg alone, on given per-chunk states h and dh [B, NT, H, K, V]."""
-    run = triton_chunk._Launcher(cfg, q, v, g, None, scale, False, gate_fn, None, None)
+    run = kchunk._Launcher(cfg, GLACall(q, k, v, g, scale=scale, gate=gate_fn))
     run.dqkg(dq, q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg)
 
 
@@ -90,15 +90,15 @@ def _patched(module, **attrs):
 def local_slices(bks: int, bkp: int, preload: bool):
     """gla_chunk_local's key slices: BKS keys per slice of the common path, BKP of the steep
     chunks' pairwise path, and whether q and k load before the gate sums."""
-    return _patched(triton_chunk, local_key_slice=lambda BK: min(BK, bks),
+    return _patched(kconfigs, local_key_slice=lambda BK: min(BK, bks),
                     local_steep_slice=lambda BKS: min(BKS, bkp), local_preload=lambda BK, BKS: preload)
 
 
 @contextlib.contextmanager
 def f32_precision(precision: str):
     """Every default chunk config with fp32 dots in ``precision`` ("ieee", "tf32", "tf32x3")."""
-    real = triton_chunk.default_config
-    with _patched(triton_chunk, default_config=lambda *a, **kw: dataclasses.replace(real(*a, **kw),
+    real = kconfigs.default_config
+    with _patched(kconfigs, default_config=lambda *a, **kw: dataclasses.replace(real(*a, **kw),
                                                                                     f32_precision=precision)):
         yield
 
@@ -142,12 +142,12 @@ def launch_via_triton():
 
 def sm90_kernel_options(mode_template: str, cfg, dtype, K: int, gate: str, gate_fn: GateFn, extra: dict) -> dict:
     """The jinja options and constexprs a template is rendered with at ``cfg`` (sm90 offline compile)."""
-    options = triton_chunk.kernel_options(cfg, dtype, K, gate, K**-0.5, False, False, gate_fn)
+    options = kconfigs.kernel_options(cfg, dtype, K, gate, K**-0.5, False, False, gate_fn)
     options.update(extra)
     if mode_template == "gla_chunk_local":
-        options = triton_chunk.local_options(options, extra["TRANSPOSE"])
+        options = kconfigs.local_options(options, extra["TRANSPOSE"])
     if mode_template == "gla_chunk_bwd_dqkg":
-        options["BK"] = triton_chunk.dqkg_block_k(cfg, options)
+        options["BK"] = kconfigs.dqkg_block_k(cfg, options)
     return options
 
 
@@ -158,13 +158,11 @@ def sm90_kernel_options(mode_template: str, cfg, dtype, K: int, gate: str, gate_
 
 def cpu_step_forward(q, k, v, g, *, scale: float):
     """The C++ step loop's forward (fp32 out and state)."""
-    import torch
-
-    return cpu_recurrent.forward(q, k, v, g, None, None, scale, False, False, torch.float32, torch.float32)
+    return step_loop.forward(GLACall(q, k, v, g, scale=scale))
 
 
 def cpu_step_backward(q, k, v, g, do, *, scale: float):
-    return cpu_recurrent.backward(q, k, v, g, None, None, do, None, scale, False)
+    return step_loop.backward(GLACall(q, k, v, g, scale=scale), do, None)
 
 
 def chunked_forward_torch(q, k, v, g, *, scale: float):
@@ -178,7 +176,7 @@ def chunked_backward_torch(q, k, v, g, do, *, scale: float):
 
 def cpu_backward_gates(gates: tuple):
     """The gate kinds whose CPU backward takes the step loop (the others: the chunked one)."""
-    return _patched(cpu_recurrent, BACKWARD_GATES=gates)
+    return _patched(step_loop, BACKWARD_GATES=gates)
 
 
 @contextlib.contextmanager

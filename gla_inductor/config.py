@@ -28,7 +28,7 @@ verify_rtol: float = 1e-3
 triton_kernels: bool = True
 
 # Gate kinds the Triton kernels run; the others take the PyTorch implementation. All four pass
-# the kernel tests on an H100 (torch 2.11, triton 3.6; benchmarks/results/h100-2026-11-22.md).
+# the kernel tests on an H100 (torch 2.11, triton 3.6; benchmarks/results/archive/h100-2026-11-22.md).
 triton_gates: tuple = ("vector", "scalar", "constant", "none")
 
 # Run the ops on CPU as step loops in C++ (gla_inductor/impl/step_loop.py says why), compiled on

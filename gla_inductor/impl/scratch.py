@@ -4,7 +4,7 @@ Why: PyTorch's CPU allocator hands every tensor to malloc and back, and glibc re
 of this size to the operating system (mmap'd blocks, or a trimmed heap top). The next call then
 faults its intermediates back in page by page: at B=2, T=512, H=4, K=V=64 the forward took ~1500
 minor page faults per call, ~3 ms on a 2-core VM, more than its computation
-(``benchmarks/results/cpu-2026-11-23-scratch.md``). CUDA has its caching allocator.
+(``benchmarks/results/archive/cpu-2026-11-23-scratch.md``). CUDA has its caching allocator.
 
 Each buffer has a name, one per intermediate of a call, and is kept per thread (two threads never
 share one). A buffer is a view into storage that the next call with that name overwrites: only

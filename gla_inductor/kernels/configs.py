@@ -82,7 +82,7 @@ class ChunkConfig:
 
 def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig) -> TileConfig:
     """The forward scan's tile, from sweeps on an H100 over the benchmark shapes
-    (benchmarks/results/h100-2026-11-22-schedule.md): vector gates run fastest with wide value
+    (benchmarks/results/archive/h100-2026-11-22-schedule.md): vector gates run fastest with wide value
     tiles and 8 warps (BV = 128: 0.60 against 0.76 ms at (8, 2048, 16, 128, 128), 1.39 against
     2.77 ms at (8, 2048, 4, 256, 512); fewer programs than SMs, but each chunk's intra-chunk work
     is done once per 128 values instead of 64), other gates with 4 warps and BV = 64 up to K = 128
@@ -104,7 +104,7 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
 
 def dqkg_tile(BK: int, BV: int, vector_gate: bool, warps: int, stages: int, sixteen_bit: bool) -> TileConfig:
     """gla_chunk_bwd_dqkg's tile. Vector gates from K = 128: key tiles of 32 with 4 warps, from
-    sweeps on an H100 (benchmarks/gpu_dqkg_sweep.py): at (8, 2048, 16, 128, 128) 0.769 against
+    sweeps on an H100 (`python -m benchmarks tune dqkg`): at (8, 2048, 16, 128, 128) 0.769 against
     0.845 ms for 64 keys and 8 warps (0.881 against 0.981 with the fused logsigmoid gate; 8 warps on
     [64, 64] tiles ran at 255 registers with spills, one program per SM); at (8, 2048, 4, 256, 512)
     0.666 against 0.707. There, with 16-bit inputs, value tiles of 128 take 0.627 (80 KB of shared
@@ -120,7 +120,7 @@ def dqkg_tile(BK: int, BV: int, vector_gate: bool, warps: int, stages: int, sixt
 
 def local_schedule(BK: int, vector_gate: bool) -> bool:
     """Whether the local schedule (gla_chunk_local, then gla_chunk_carry) beats the fused scan, from
-    an H100 sweep (benchmarks/results/h100-2026-11-22-local.md): for vector gates from K = 128 on
+    an H100 sweep (benchmarks/results/archive/h100-2026-11-22-local.md): for vector gates from K = 128 on
     (0.367 against 0.435 ms at (8, 2048, 16, 128, 128), 0.48 against 1.04 ms at K = 256, V = 512),
     for the others at K = 256 only (0.39 against 1.36 ms; at K = 128 the fused scan's 0.197 ms beat
     0.243, and 0.185 beat 0.238 after the carries' segments and transposed state). Vector gates at

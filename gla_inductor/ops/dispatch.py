@@ -34,7 +34,7 @@ log = logging.getLogger("gla_inductor")
 # the recurrent one does O(K * V) CUDA-core work per step, one step after another, on a state held
 # in registers, the chunked scan does chunks of BT = 64 steps as tensor-core dots with more setup
 # per chunk, so the recurrent kernel wins at small T and loses as T grows; the crossover measured
-# at K = V = 128 lies near T = 12 (benchmarks/results/archive/h100-2026-11-22-decode.md).
+# at K = V = 128 lies near T = 12 (benchmarks/results/h100-2026-11-22-decode.md).
 RECURRENT_MAX_T = 8
 
 
