@@ -4,7 +4,8 @@ import sys
 import pytest
 import torch
 
-# The spelling zoo and helpers live beside the tests.
+# The spelling zoo (spellings.py) and the shared helpers (helpers.py) live here, above the test
+# folders: every folder imports them by name.
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Without a GPU the Triton kernels run under the interpreter, which must be chosen before
@@ -54,6 +55,13 @@ def fresh_compiler():
     yield
     torch._dynamo.reset()
     counters.clear()
+
+
+@pytest.fixture
+def seeded_compiler(fresh_compiler):
+    """fresh_compiler, with torch's global generator seeded (0) for tests that draw from it."""
+    torch.manual_seed(0)
+    yield
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 # the parallel form's test sizes, inputs and float64 check, shared
-from test_recognize_parallel import B, H, T, K, V, check_exact as check, inputs  # noqa: F401
+from test_parallel_states import B, H, T, K, V, check_exact as check, inputs  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
