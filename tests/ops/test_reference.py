@@ -2,63 +2,53 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gla_inductor.reference import naive_parallel_gla, naive_recurrent_gla
 
-GATES = ["none", "scalar", "vector", "constant"]
-
+from helpers import GATES, gla_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-def make_inputs(gate, B=2, T=9, H=3, K=5, V=4, dtype=torch.float64, seed=0):
-    torch.manual_seed(seed)
-    q, k = torch.randn(B, T, H, K, dtype=dtype), torch.randn(B, T, H, K, dtype=dtype)
-    v = torch.randn(B, T, H, V, dtype=dtype)
-    gates = {
-        "none": {},
-        "scalar": {"g": F.logsigmoid(torch.randn(B, T, H, dtype=dtype))},
-        "vector": {"g": F.logsigmoid(torch.randn(B, T, H, K, dtype=dtype))},
-        "constant": {"g_gamma": F.logsigmoid(torch.randn(H, dtype=dtype))},
-    }
-    return q, k, v, gates[gate]
+
+def make_inputs(gate, B=2, T=9, H=3, K=5, V=4, dtype=torch.float64, with_h0=True):
+    """chunk_gla's inputs (helpers.gla_inputs), float64 by default."""
+    return gla_inputs(gate, B, T, H, K, V, dtype=dtype, with_h0=with_h0)
 
 
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_loop_matches_parallel(gate, reverse, with_h0):
-    q, k, v, gate_kw = make_inputs(gate)
-    h0 = torch.randn(2, 3, 5, 4, dtype=torch.float64) if with_h0 else None
-    kw = dict(gate_kw, initial_state=h0, output_final_state=True, reverse=reverse, scale=0.7)
-    o_loop, ht_loop = naive_recurrent_gla(q, k, v, **kw)
-    o_par, ht_par = naive_parallel_gla(q, k, v, **kw)
+    x = make_inputs(gate, with_h0=with_h0)
+    kw = dict(output_final_state=True, reverse=reverse, scale=0.7)
+    o_loop, ht_loop = naive_recurrent_gla(**x, **kw)
+    o_par, ht_par = naive_parallel_gla(**x, **kw)
     torch.testing.assert_close(o_loop, o_par, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht_loop, ht_par, rtol=1e-10, atol=1e-10)
 
 
 def test_single_step_closed_form():
     # one step: S = exp(g) * S0 + k^T v, o = scale * q S
-    q, k, v, gate_kw = make_inputs("vector", B=1, T=1, H=1)
-    h0 = torch.randn(1, 1, 5, 4, dtype=torch.float64)
-    o, ht = naive_recurrent_gla(q, k, v, **gate_kw, initial_state=h0, output_final_state=True)
-    S = gate_kw["g"][0, 0, 0].exp()[:, None] * h0[0, 0] + k[0, 0, 0][:, None] * v[0, 0, 0][None, :]
+    x = make_inputs("vector", B=1, T=1, H=1)
+    q, k, v, g, h0 = x["q"], x["k"], x["v"], x["g"], x["initial_state"]
+    o, ht = naive_recurrent_gla(**x, output_final_state=True)
+    S = g[0, 0, 0].exp()[:, None] * h0[0, 0] + k[0, 0, 0][:, None] * v[0, 0, 0][None, :]
     torch.testing.assert_close(ht[0, 0], S)
     torch.testing.assert_close(o[0, 0, 0], 5**-0.5 * q[0, 0, 0] @ S)
 
 
 def test_reverse_is_flipped_forward():
-    q, k, v, gate_kw = make_inputs("vector")
-    o_rev, ht_rev = naive_recurrent_gla(q, k, v, **gate_kw, reverse=True, output_final_state=True)
-    o_flip, ht_flip = naive_recurrent_gla(
-        q.flip(1), k.flip(1), v.flip(1), gate_kw["g"].flip(1), output_final_state=True
-    )
+    x = make_inputs("vector", with_h0=False)
+    o_rev, ht_rev = naive_recurrent_gla(**x, reverse=True, output_final_state=True)
+    q, k, v, g = (x[n].flip(1) for n in ("q", "k", "v", "g"))
+    o_flip, ht_flip = naive_recurrent_gla(q, k, v, g, output_final_state=True)
     torch.testing.assert_close(o_rev, o_flip.flip(1))
     torch.testing.assert_close(ht_rev, ht_flip)
 
 
 def test_compute_dtype():
-    q, k, v, _ = make_inputs("none", dtype=torch.bfloat16)
+    x = make_inputs("none", dtype=torch.bfloat16)
+    q, k, v = x["q"], x["k"], x["v"]
     o, _ = naive_recurrent_gla(q, k, v)
     assert o.dtype == torch.float32
     o, ht = naive_recurrent_gla(q, k, v.double(), output_final_state=True)
@@ -66,8 +56,7 @@ def test_compute_dtype():
 
 
 def test_empty_sequence():
-    q, k, v, _ = make_inputs("none", T=0)
-    h0 = torch.randn(2, 3, 5, 4, dtype=torch.float64)
-    o, ht = naive_recurrent_gla(q, k, v, initial_state=h0, output_final_state=True)
+    x = make_inputs("none", T=0)
+    o, ht = naive_recurrent_gla(**x, output_final_state=True)
     assert o.shape == (2, 0, 3, 4)
-    torch.testing.assert_close(ht, h0)
+    torch.testing.assert_close(ht, x["initial_state"])
