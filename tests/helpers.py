@@ -100,6 +100,27 @@ def as_float64(inputs: dict, requires_grad: bool = False) -> dict:
     return {n: None if x is None else x.detach().double().requires_grad_(requires_grad) for n, x in inputs.items()}
 
 
+# B, H, T, K, V of head_first_inputs, which the programs fed with them read as module constants
+HEAD_FIRST_SIZES = (2, 3, 6, 4, 5)
+
+
+def head_first_inputs(gate: str, h0: bool = False, k: int = None, v: int = None, time: bool = True) -> list:
+    """[q, k, v] (+ the log gate, + h0) of a naive program written head-first: q, k [B, H, T, K],
+    v [B, H, T, V] at HEAD_FIRST_SIZES (K = k, V = v if given; no time axis without time, for a
+    decode step); the gate logsigmoid(N(1, 1)) over "vector" [B, H, T, K], "scalar" [B, H, T],
+    "constant" [H] or "value" [B, H, T, V] (not GLA), none for "none"; h0 [B, H, K, V]."""
+    B, H, T, K, V = HEAD_FIRST_SIZES
+    K, V = k or K, v or V
+    gen = torch.Generator().manual_seed(0)
+    t = (T,) if time else ()
+    args = [torch.randn(B, H, *t, K, generator=gen), torch.randn(B, H, *t, K, generator=gen),
+            torch.randn(B, H, *t, V, generator=gen)]
+    shape = {"vector": (B, H, *t, K), "scalar": (B, H, *t), "constant": (H,), "value": (B, H, *t, V)}.get(gate)
+    if shape:
+        args.append(F.logsigmoid(torch.randn(shape, generator=gen) + 1))
+    return args + ([torch.randn(B, H, K, V, generator=gen)] if h0 else [])
+
+
 # ----------------------------------------------------------------------------------------------
 # the float64 oracles
 # ----------------------------------------------------------------------------------------------
