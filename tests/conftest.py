@@ -7,6 +7,9 @@ import torch
 # The spelling zoo (spellings.py) and the shared helpers (helpers.py) live here, above the test
 # folders: every folder imports them by name.
 sys.path.insert(0, os.path.dirname(__file__))
+# helpers.py asserts on behalf of the tests: pytest rewrites its asserts as it does theirs, so a
+# failing comparison shows its values
+pytest.register_assert_rewrite("helpers")
 
 # Without a GPU the Triton kernels run under the interpreter, which must be chosen before
 # triton is first imported (it swaps in its own versions of triton.language functions).

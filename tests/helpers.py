@@ -104,7 +104,8 @@ def as_float64(inputs: dict, requires_grad: bool = False) -> dict:
 HEAD_FIRST_SIZES = (2, 3, 6, 4, 5)
 
 
-def head_first_inputs(gate: str, h0: bool = False, k: int = None, v: int = None, time: bool = True) -> list:
+def head_first_inputs(gate: str, h0: bool = False, k: int | None = None, v: int | None = None,
+                      time: bool = True) -> list:
     """[q, k, v] (+ the log gate, + h0) of a naive program written head-first: q, k [B, H, T, K],
     v [B, H, T, V] at HEAD_FIRST_SIZES (K = k, V = v if given; no time axis without time, for a
     decode step); the gate logsigmoid(N(1, 1)) over "vector" [B, H, T, K], "scalar" [B, H, T],
@@ -274,7 +275,8 @@ def poison(inputs, name, value, t):
 def nonfinite_cases():
     """(gate, input, value) cases: one NaN, +inf or -inf in each input of each gate kind."""
     for gate in GATES:
-        names = ["q", "k", "v", "initial_state"] + {"vector": ["g"], "scalar": ["g"], "constant": ["g_gamma"]}.get(gate, [])
+        gates = {"vector": ["g"], "scalar": ["g"], "constant": ["g_gamma"]}.get(gate, [])
+        names = ["q", "k", "v", "initial_state"] + gates
         for name in names:
             # a log gate of -inf is a legal gate (forget everything): test_forget_gate_of_minus_inf
             for value in ("nan", "inf") if name.startswith("g") else ("nan", "inf", "-inf"):

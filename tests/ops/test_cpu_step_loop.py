@@ -1,8 +1,8 @@
 """The ops' C++ step loops on CPU (gla_inductor/cpu_recurrent.py): the forward's value tiles, layouts
 and threads and the backward's gradients against the float64 loop, that the ops take them on CPU,
 and that they fall back to the chunked PyTorch implementation where they cannot be built.
-tests/ops/test_chunk_op.py and tests/ops/test_bad_input.py run their CPU tests with both (the ``cpu_impl``
-fixture)."""
+tests/ops/test_chunk_op.py and tests/ops/test_bad_input.py run their CPU tests with both (the
+``cpu_impl`` fixture)."""
 
 import logging
 
