@@ -4,8 +4,12 @@ import sys
 import pytest
 import torch
 
-# The spelling zoo and helpers live beside the tests.
+# The spelling zoo (spellings.py) and the shared helpers (helpers.py) live here, above the test
+# folders: every folder imports them by name.
 sys.path.insert(0, os.path.dirname(__file__))
+# helpers.py asserts on behalf of the tests: pytest rewrites its asserts as it does theirs, so a
+# failing comparison shows its values
+pytest.register_assert_rewrite("helpers")
 
 # Without a GPU the Triton kernels run under the interpreter, which must be chosen before
 # triton is first imported (it swaps in its own versions of triton.language functions).
@@ -54,6 +58,13 @@ def fresh_compiler():
     yield
     torch._dynamo.reset()
     counters.clear()
+
+
+@pytest.fixture
+def seeded_compiler(fresh_compiler):
+    """fresh_compiler, with torch's global generator seeded (0) for tests that draw from it."""
+    torch.manual_seed(0)
+    yield
 
 
 @pytest.fixture

@@ -584,8 +584,8 @@ def _ssd_inputs(x, dt, A, Bg, Cg):
 
 def chunked_hf_einsum(x, dt, A, Bg, Cg, h0, on_diag=None, on_final=None):
     """transformers 5.x `mamba2_chunk_scan`: segment sums, einsums, initial state, final state.
-    Hooks (tests/test_certificate_size.py's near misses): on_diag maps the intra-chunk term
-    [b, c, l, h, p], on_final the final state [b, h, p, n]."""
+    Hooks (the near misses of tests/recognize/test_certificate_size.py): on_diag maps the
+    intra-chunk term [b, c, l, h, p], on_final the final state [b, h, p, n]."""
     x, A, B_, C_, seq = _ssd_inputs(x, dt, A, Bg, Cg)
     A = A.permute(0, 3, 1, 2)
     A_cumsum = torch.cumsum(A, dim=-1)

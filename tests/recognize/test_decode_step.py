@@ -9,26 +9,12 @@ from torch._dynamo.utils import counters
 
 import gla_inductor
 from gla_inductor.backend import rewrite
+from helpers import FP32_TOL, check_spelling, outputs, rel_err
 from spellings import DECODES
 
 BY_NAME = {s.name: s for s in DECODES}
-FP32_TOL = 1e-5
 
-
-@pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    yield
-
-
-def rel_err(a, ref) -> float:
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def outputs(res):
-    return list(res) if isinstance(res, (tuple, list)) else [res]
+pytestmark = pytest.mark.usefixtures("one_thread", "seeded_compiler")
 
 
 def run_checked(sp, args, compiled):
@@ -93,8 +79,6 @@ def test_write_back_with_grads_is_left_alone():
 
 
 def test_returned_state_trains():
-    from test_recognize import check_spelling
-
     check_spelling(BY_NAME["decode_einsum_returned"], torch.float32, FP32_TOL)
 
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-# the parallel form's test sizes, inputs and float64 check, shared
-from test_recognize_parallel import B, H, T, K, V, check_exact as check, inputs  # noqa: F401
+from helpers import HEAD_FIRST_SIZES, check_rewrite_exact, head_first_inputs
+
+B, H, T, K, V = HEAD_FIRST_SIZES
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
@@ -57,7 +58,7 @@ def par_flat_scalar_output_flat(q, k, v, g):
     (par_flat_scalar_output_flat, "scalar", False, {"initial_state": False, "final_state": False}),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_parallel_flattened_heads(fn, gate, h0, options):
-    matches = check(fn, inputs(gate, h0))
+    matches = check_rewrite_exact(fn, head_first_inputs(gate, h0))
     assert counters["gla_inductor"]["rewrites"] == 1
     assert [(m.form, m.gate) for m in matches] == [("parallel", gate)]
     assert {k: matches[0].options[k] for k in options} == options
@@ -81,8 +82,8 @@ def near_par_flat_h0_one_step_short(q, k, v, g, h0):
 
 
 def test_parallel_flattened_heads_near_misses():
-    assert check(near_par_flat_cumsum_over_heads, inputs("scalar")) == []
-    matches = check(near_par_flat_h0_one_step_short, inputs("scalar", h0=True))
+    assert check_rewrite_exact(near_par_flat_cumsum_over_heads, head_first_inputs("scalar")) == []
+    matches = check_rewrite_exact(near_par_flat_h0_one_step_short, head_first_inputs("scalar", h0=True))
     assert [m.options["initial_state"] for m in matches] == [False]
 
 
@@ -134,7 +135,7 @@ def loop_first_state_bmm_einsum_read(q, k, v, g):
     (loop_first_state_bmm_einsum_read, "vector", False),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_loop_spellings(fn, gate, h0):
-    matches = check(fn, inputs(gate, h0))
+    matches = check_rewrite_exact(fn, head_first_inputs(gate, h0))
     assert counters["gla_inductor"]["rewrites"] == 1
     assert [(m.form, m.gate) for m in matches] == [("loop", gate)]
 
@@ -175,7 +176,7 @@ def near_loop_first_state_heads_scrambled(q, k, v, g):
 @pytest.mark.parametrize("fn", [near_loop_rows_buffer_too_long, near_loop_rows_shifted,
                                 near_loop_first_state_heads_scrambled], ids=lambda f: f.__name__)
 def test_loop_near_misses(fn):
-    assert check(fn, inputs("vector" if "rows" in fn.__name__ else "scalar")) == []
+    assert check_rewrite_exact(fn, head_first_inputs("vector" if "rows" in fn.__name__ else "scalar")) == []
 
 
 # ---- K or V of size 1 ---------------------------------------------------------------------------
@@ -184,18 +185,6 @@ def test_loop_near_misses(fn):
 # roles are read from the axes that are there. A vector gate over K = 1 is one number per step,
 # a scalar gate. Each spelling below is rewritten at K = 1, V = 1 and K = V = 1, and is exact.
 SIZE_ONE = [(1, V), (K, 1), (1, 1)]
-
-
-def inputs_kv(gate: str, k: int, v: int, h0: bool = False, time: bool = True) -> list:
-    """q, k, v (and the gate, h0) at K = k, V = v; without the time axis for a decode step."""
-    gen = torch.Generator().manual_seed(0)
-    t = (T,) if time else ()
-    args = [torch.randn(B, H, *t, k, generator=gen), torch.randn(B, H, *t, k, generator=gen),
-            torch.randn(B, H, *t, v, generator=gen)]
-    shape = {"vector": (B, H, *t, k), "scalar": (B, H, *t), "constant": (H,), "value": (B, H, *t, v)}.get(gate)
-    if shape:
-        args.append(torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen) + 1))
-    return args + ([torch.randn(B, H, k, v, generator=gen)] if h0 else [])
 
 
 def rewritten_gate(gate: str, k: int) -> str:
@@ -249,7 +238,7 @@ def loop1_rows_first_state(q, k, v):
     (loop1_rows_first_state, "none", False),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_loop_size_one(fn, gate, h0, kv):
-    matches = check(fn, inputs_kv(gate, *kv, h0=h0))
+    matches = check_rewrite_exact(fn, head_first_inputs(gate, h0, *kv))
     assert counters["gla_inductor"]["rewrites"] == 1
     assert [(m.form, m.gate) for m in matches] == [("loop", rewritten_gate(gate, kv[0]))]
     assert matches[0].shapes["K"] == kv[0] and matches[0].shapes["V"] == kv[1]
@@ -265,7 +254,7 @@ def decode1_vector(q, k, v, g, h0):
 def test_decode_size_one(kv):
     """One token, no time axis: at K = 1 the value [B, H, V] is indexed like the state
     [B, H, 1, V], and only the cache may be the state the step decays."""
-    matches = check(decode1_vector, inputs_kv("vector", *kv, h0=True, time=False))
+    matches = check_rewrite_exact(decode1_vector, head_first_inputs("vector", True, *kv, time=False))
     assert [(m.form, m.gate) for m in matches] == [("decode", rewritten_gate("vector", kv[0]))]
 
 
@@ -316,7 +305,7 @@ def par1_no_gate_bmm(q, k, v):
     (par1_no_gate_bmm, "none", False, False),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_parallel_size_one(fn, gate, h0, reverse, kv):
-    matches = check(fn, inputs_kv(gate, *kv, h0=h0))
+    matches = check_rewrite_exact(fn, head_first_inputs(gate, h0, *kv))
     assert counters["gla_inductor"]["rewrites"] == 1
     assert [(m.form, m.gate) for m in matches] == [("parallel", rewritten_gate(gate, kv[0]))]
     assert matches[0].shapes["K"] == kv[0] and matches[0].shapes["V"] == kv[1]
@@ -410,4 +399,4 @@ def near1_par_noncausal(q, k, v, g):
     (near1_par_noncausal, "scalar", (1, 1)),
 ], ids=lambda x: getattr(x, "__name__", None) or (f"K{x[0]}V{x[1]}" if isinstance(x, tuple) else x))
 def test_size_one_near_misses(fn, gate, kv):
-    assert check(fn, inputs_kv(gate, *kv)) == []
+    assert check_rewrite_exact(fn, head_first_inputs(gate, False, *kv)) == []

@@ -15,19 +15,16 @@ from torch._dynamo.utils import counters
 
 from gla_inductor.backend import rewrite
 from gla_inductor.recognize import chunked, shrink, summed_products
+from helpers import FP32_TOL, compile_rewritten, outputs, rel_err
 from spellings import SPELLINGS, chunked_hf_broadcast, chunked_hf_einsum
 
-FP32_TOL = 1e-5
 B, T, H, G, N, P = 4, 9, 8, 2, 3, 5  # T = 9 over chunks of 4: a padded last chunk
 BUDGET = 64 << 10  # above the reduced certificate's estimate (~20 KiB), below the full one's
 
 
 @pytest.fixture(autouse=True)
-def fresh(one_thread):
-    torch._dynamo.reset()
-    counters.clear()
+def fresh(one_thread, seeded_compiler):
     chunked._CERTIFIED.clear()
-    torch.manual_seed(0)
     yield
     chunked._CERTIFIED.clear()
 
@@ -54,10 +51,6 @@ def refusals(monkeypatch) -> list:
     return seen
 
 
-def rel_err(a, ref) -> float:
-    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
-
-
 def certificates() -> dict:
     c = counters["gla_inductor"]
     return {"reduced": c["certificates_reduced"], "full": c["certificates_full"]}
@@ -66,14 +59,9 @@ def certificates() -> dict:
 def run(fn, args) -> list:
     """Compile `fn` with the backend's rewrite (the rewritten graph runs eagerly), check its
     outputs against `fn` in float64, and return the reasons of the candidates left alone."""
-    results = []
-
-    def backend(gm, example_inputs):
-        results.append(rewrite(gm, example_inputs))
-        return gm.forward
-
-    got = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*[a.clone() for a in args])
-    want = fn(*[a.double() for a in args])
+    got, results = compile_rewritten(fn, [a.clone() for a in args], dynamic=False)
+    want = outputs(fn(*[a.double() for a in args]))
+    assert len(got) == len(want)
     for g, w in zip(got, want):
         assert rel_err(g, w) <= FP32_TOL
     return [nm.reason for r in results for nm in r.near_misses]

@@ -20,8 +20,9 @@ from gla_inductor.backend import rewrite
 from gla_inductor.recognize import loop
 from gla_inductor.recognize.algebra import Analyzer
 
+from helpers import FP32_TOL, check_against_float64, rel_err, rewrite_then_eager
+
 B, T, H, K, V = 2, 7, 3, 4, 5
-FP32_TOL = 1e-5
 
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
@@ -252,35 +253,6 @@ NEAR_MISSES = [
     (near_gate_over_v, "over V"),
     (near_gate_reads_next_step, "several time indices"),
 ]
-
-
-def rewrite_then_eager(gm, example_inputs):
-    """The backend's rewrite (same counters, gate fusion included), then the graph as is."""
-    rewrite(gm, example_inputs)
-    return gm.forward
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def outputs(res) -> list:
-    return list(res) if isinstance(res, tuple) else [res]
-
-
-def check_against_float64(fn, args, out):
-    """Outputs and the gradients of every input (of a random weighting of the outputs)."""
-    gen = torch.Generator().manual_seed(1)
-    outs = outputs(out)
-    weights = [torch.randn(o.shape, generator=gen) for o in outs]
-    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), args)
-    args64 = [a.detach().double().requires_grad_() for a in args]
-    refs = outputs(fn(*args64))
-    want = torch.autograd.grad(sum((r * w.double()).sum() for r, w in zip(refs, weights)), args64)
-    for o, r in zip(outs, refs):
-        assert rel_err(o, r.detach()) <= FP32_TOL
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert rel_err(a, b) <= FP32_TOL, f"gradient of argument {i}"
 
 
 @pytest.mark.parametrize("fn, gate, fused", PROGRAMS, ids=lambda x: getattr(x, "__name__", str(x)))

@@ -1,5 +1,5 @@
 """Naive GLA programs, and programs that look like GLA but are not, generated from small
-independent spelling choices (hypothesis strategies) for tests/test_fuzz.py.
+independent spelling choices (hypothesis strategies) for tests/recognize/test_fuzz.py.
 
 A program is Python source (printable, reproducible) plus how to make its inputs. Kinds:
 

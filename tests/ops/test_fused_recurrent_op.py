@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import gla_inductor
 from gla_inductor import cuda_dispatch, decode, triton_chunk
-from gla_inductor.reference import naive_recurrent_gla
+
+from helpers import GATES, assert_rel_close, loop_reference
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -33,7 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # relative (Frobenius) error bounds against float64, by the dtype of the result compared
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
-GATES = ("vector", "scalar", "constant", "none")
 
 
 def _dtype_id(dtype: Optional[torch.dtype]) -> str:
@@ -126,19 +126,8 @@ def _make_inputs(case: Case, device: str = DEVICE, seed: int = 0):
 
 
 def _reference(q, k, v, g, g_gamma, h0, scale, reverse):
-    """(o, final state) of the float64 time loop, from the inputs as given (16-bit values upcast exactly)."""
-    def f64(x):
-        return None if x is None else x.double()
-
-    return naive_recurrent_gla(f64(q), f64(k), f64(v), f64(g), g_gamma=f64(g_gamma), scale=scale,
-                               initial_state=f64(h0), output_final_state=True, reverse=reverse)
-
-
-def _assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all(), f"{name}: not finite"
-    err = ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.1e}"
+    """(o, final state) of the float64 time loop on the op's arguments (helpers.loop_reference)."""
+    return loop_reference(dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=h0), scale=scale, reverse=reverse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,9 +153,9 @@ def test_kernel_matches_reference(case: Case):
     o = triton_recurrent.fused_recurrent_triton(q, k, v, g, g_gamma, h0, ht, scale, case.reverse, config=config)
 
     assert o.dtype == case.dtype and o.shape == (case.B, case.T, case.H, case.V)
-    _assert_close("o", o, ref_o, TOL[case.dtype])
+    assert_rel_close("o", o, ref_o, TOL[case.dtype])
     if ht is not None:
-        _assert_close("final state", ht, ref_ht, TOL[ht.dtype])
+        assert_rel_close("final state", ht, ref_ht, TOL[ht.dtype])
     if h0 is not None and not case.in_place:
         assert torch.equal(h0, h0_before), "the initial state was modified"
 
@@ -182,8 +171,8 @@ def test_kernel_steep_gates_forget():
     for g in (torch.full((B, T, H, K), -20.0, device=DEVICE), torch.full((B, T, H), -20.0, device=DEVICE)):
         state = h0.clone()
         o = triton_recurrent.fused_recurrent_triton(q, k, v, g, None, state, state, 0.25, False)
-        _assert_close("o", o, (0.25 * (q * k).sum(-1, keepdim=True) * v).double(), 1e-5)
-        _assert_close("final state", state, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
+        assert_rel_close("o", o, (0.25 * (q * k).sum(-1, keepdim=True) * v).double(), 1e-5)
+        assert_rel_close("final state", state, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
 
 
 @needs_kernels
@@ -242,9 +231,9 @@ def test_op_cpu_matches_reference_in_place(case: Case):
     state = h0  # overwritten by the op
     o = torch.ops.gla_inductor.fused_recurrent(q, k, v, g, g_gamma, state, 0.3, case.reverse)
     assert o.dtype == case.dtype
-    _assert_close("o", o, ref_o, TOL[case.dtype])
+    assert_rel_close("o", o, ref_o, TOL[case.dtype])
     assert state.dtype == case.h0_dtype
-    _assert_close("state", state, ref_ht, TOL[state.dtype])
+    assert_rel_close("state", state, ref_ht, TOL[state.dtype])
 
 
 def test_op_promotes_output_dtype_and_keeps_state_dtype():
@@ -254,8 +243,8 @@ def test_op_promotes_output_dtype_and_keeps_state_dtype():
     ref_o, ref_ht = _reference(q, k, v, g, None, state, 0.5, False)
     o = torch.ops.gla_inductor.fused_recurrent(q, k, v, g, None, state, 0.5, False)
     assert o.dtype == fp32 and state.dtype == bf16
-    _assert_close("o", o, ref_o, TOL[fp32])
-    _assert_close("state", state, ref_ht, TOL[bf16])
+    assert_rel_close("o", o, ref_o, TOL[fp32])
+    assert_rel_close("state", state, ref_ht, TOL[bf16])
 
 
 def test_op_registrations():
@@ -301,8 +290,8 @@ def test_cuda_impl_runs_the_kernel_in_place(gate, monkeypatch):
     o = fused_recurrent(q, k, v, g, g_gamma, state, 0.3, case.reverse)
     # in place: the kernel reads and writes the caller's state
     assert len(calls) == 1 and calls[0][5].data_ptr() == calls[0][6].data_ptr() == state.data_ptr()
-    _assert_close("o", o, ref_o, TOL[fp32])
-    _assert_close("state", state, ref_ht, TOL[fp32])
+    assert_rel_close("o", o, ref_o, TOL[fp32])
+    assert_rel_close("state", state, ref_ht, TOL[fp32])
 
 
 @needs_kernels
@@ -316,13 +305,13 @@ def test_cuda_impl_falls_back(monkeypatch):
     assert torch.equal(o, expected)
     o = cuda_dispatch.fused_recurrent_cuda(q, k, v, g, None, h0.double(), 0.3, False)
     assert o.dtype == fp32
-    _assert_close("o (float64 state)", o, _reference(q, k, v, g, None, h0, 0.3, False)[0], TOL[fp32])
+    assert_rel_close("o (float64 state)", o, _reference(q, k, v, g, None, h0, 0.3, False)[0], TOL[fp32])
     monkeypatch.setattr(cuda_dispatch, "RECURRENT_MAX_T", 2)
     state = h0.clone()
     o = cuda_dispatch.fused_recurrent_cuda(q, k, v, g, None, state, 0.3, False)
     ref_o, ref_ht = _reference(q, k, v, g, None, h0, 0.3, False)
-    _assert_close("o (chunked)", o, ref_o, 1e-4)
-    _assert_close("state (chunked)", state, ref_ht, 1e-4)
+    assert_rel_close("o (chunked)", o, ref_o, 1e-4)
+    assert_rel_close("state (chunked)", state, ref_ht, 1e-4)
     assert calls == []
 
 
@@ -363,12 +352,12 @@ def test_compiled_op_updates_the_graph_input_in_place(layout):
     x = as_state(h0).clone()  # the graph input
     compiled = torch.compile(step, backend="inductor", fullgraph=True)
     out, (code, *_) = run_and_get_code(compiled, q, k, v, g, x)
-    _assert_close("o", out / 2, ref_o, TOL[fp32])
-    _assert_close("state", as_state(x), ref_ht, TOL[fp32])  # the caller's tensor holds the final state
+    assert_rel_close("o", out / 2, ref_o, TOL[fp32])
+    assert_rel_close("state", as_state(x), ref_ht, TOL[fp32])  # the caller's tensor holds the final state
     # a second step continues from the updated state, as a decoding loop does
     ref_o2, ref_ht2 = _reference(q, k, v, g, None, ref_ht, 0.3, False)
-    _assert_close("o (second step)", compiled(q, k, v, g, x) / 2, ref_o2, TOL[fp32])
-    _assert_close("state (second step)", as_state(x), ref_ht2, TOL[fp32])
+    assert_rel_close("o (second step)", compiled(q, k, v, g, x) / 2, ref_o2, TOL[fp32])
+    assert_rel_close("state (second step)", as_state(x), ref_ht2, TOL[fp32])
     # reinplaced: the op's state argument is the graph input itself (argN_1, or a view of it), not a
     # buffer copied from it and back
     assert re.search(r"fused_recurrent\.default\(.*, None, (reinterpret_tensor\()?arg\d+_1\b", code), code
@@ -390,11 +379,11 @@ def test_fused_recurrent_gla_matches_reference(gate):
     ref_o, ref_ht = _reference(q, k, v, g, g_gamma, h0, case.K**-0.5, case.reverse)
     assert torch.equal(h0, before), "initial_state was modified"
     assert o.dtype == bf16 and ht.dtype == fp32  # like chunk_gla
-    _assert_close("o", o, ref_o, TOL[bf16])
-    _assert_close("final state", ht, ref_ht, TOL[fp32])
+    assert_rel_close("o", o, ref_o, TOL[bf16])
+    assert_rel_close("final state", ht, ref_ht, TOL[fp32])
     o2, none = gla_inductor.fused_recurrent_gla(q, k, v, g, g_gamma=g_gamma, reverse=case.reverse)
     assert none is None
-    _assert_close("o (zero state)", o2, _reference(q, k, v, g, g_gamma, None, case.K**-0.5, case.reverse)[0],
+    assert_rel_close("o (zero state)", o2, _reference(q, k, v, g, g_gamma, None, case.K**-0.5, case.reverse)[0],
                   TOL[bf16])
 
 
@@ -429,10 +418,10 @@ def test_chunk_fwd_short_sequences_run_the_recurrent_kernel(gate, final_state, m
     assert len(recurrent) == 1 and chunked == []
     ref_o, ref_ht = _reference(q, k, v, g, g_gamma, h0, 0.3, case.reverse)
     assert o.dtype == bf16
-    _assert_close("o", o, ref_o, TOL[bf16])
+    assert_rel_close("o", o, ref_o, TOL[bf16])
     if final_state:
         assert ht.dtype == fp32  # chunk_fwd's contract, whatever the initial state's dtype
-        _assert_close("final state", ht, ref_ht, TOL[fp32])
+        assert_rel_close("final state", ht, ref_ht, TOL[fp32])
     else:
         assert ht.shape == (0,) and ht.dtype == fp32
 

@@ -1,47 +1,29 @@
 """The ops' C++ step loops on CPU (gla_inductor/cpu_recurrent.py): the forward's value tiles, layouts
 and threads and the backward's gradients against the float64 loop, that the ops take them on CPU,
 and that they fall back to the chunked PyTorch implementation where they cannot be built.
-tests/test_ops.py and tests/test_bad_input.py run their CPU tests with both (the ``cpu_impl``
-fixture)."""
+tests/ops/test_chunk_op.py and tests/ops/test_bad_input.py run their CPU tests with both (the
+``cpu_impl`` fixture)."""
 
 import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gla_inductor import config, cpu_recurrent, ops
 from gla_inductor.ops import chunk_gla
-from gla_inductor.reference import naive_recurrent_gla
+
+from helpers import as_float64, check_against_loop, gla_inputs, loop_reference, placed, rel_err
 
 
-def make_inputs(gate, B=2, T=37, H=2, K=8, V=40, G=None, dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    G = G or H
-    x = {
-        "q": torch.randn(B, T, G, K, dtype=torch.float64),
-        "k": torch.randn(B, T, G, K, dtype=torch.float64),
-        "v": torch.randn(B, T, H, V, dtype=torch.float64),
-        "initial_state": torch.randn(B, H, K, V, dtype=torch.float64),
-    }
-    if gate == "vector":
-        x["g"] = F.logsigmoid(torch.randn(B, T, H, K, dtype=torch.float64))
-    elif gate == "scalar":
-        x["g"] = F.logsigmoid(torch.randn(B, T, H, dtype=torch.float64))
-    elif gate == "constant":
-        x["g_gamma"] = -torch.rand(H, dtype=torch.float64)
-    return {n: t.to(dtype) for n, t in x.items()}
-
-
-def rel_err(a, ref):
-    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+def make_inputs(gate, T=37, K=8, V=40, **kw):
+    """chunk_gla's inputs (helpers.gla_inputs) at this module's default sizes, fp32 by default."""
+    return gla_inputs(gate, T=T, K=K, V=V, **kw)
 
 
 def check(x, tol=1e-5, **kw):
-    o, ht = chunk_gla(**x, output_final_state=True, **kw)
-    o_ref, ht_ref = naive_recurrent_gla(**{n: t.double() for n, t in x.items()}, output_final_state=True, **kw)
+    """o and the final state against the float64 loop; o in v's dtype, the state in fp32."""
+    o, ht = check_against_loop(x, tol, backward=False, **kw)
     assert o.dtype == x["v"].dtype and ht.dtype == torch.float32
-    assert rel_err(o, o_ref) <= tol and rel_err(ht, ht_ref) <= tol, (rel_err(o, o_ref), rel_err(ht, ht_ref))
 
 
 @pytest.fixture
@@ -67,11 +49,9 @@ def test_grouped_heads(gate):
 
 
 def test_without_state_in_or_out():
-    x = make_inputs("vector")
-    del x["initial_state"]
+    x = make_inputs("vector", with_h0=False)
     o, ht = chunk_gla(**x)
-    o_ref, _ = naive_recurrent_gla(**{n: t.double() for n, t in x.items()})
-    assert ht is None and rel_err(o, o_ref) <= 1e-5
+    assert ht is None and rel_err(o, loop_reference(x)[0]) <= 1e-5
 
 
 def test_strided_inputs_and_scale():
@@ -102,20 +82,9 @@ def every_gate_steps_back(monkeypatch):
 
 
 def check_grads(x, tol=1e-5, **kw):
-    """Gradients of every input through chunk_gla against autograd through the float64 loop."""
-    leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
-    ref_leaves = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    torch.manual_seed(1)
-    do = torch.randn(*x["v"].shape, dtype=torch.float64)
-    dht = torch.randn(*x["initial_state"].shape, dtype=torch.float64) if "initial_state" in x else None
-    for inputs, out in ((leaves, chunk_gla), (ref_leaves, naive_recurrent_gla)):
-        o, ht = out(**inputs, output_final_state=dht is not None, **kw)
-        loss = (o * do.to(o.dtype)).sum() + ((ht * dht.to(ht.dtype)).sum() if dht is not None else 0)
-        loss.backward()
-    for n in x:
-        got, want = leaves[n].grad, ref_leaves[n].grad
-        assert got.dtype == x[n].dtype and got.shape == x[n].shape, n
-        assert rel_err(got, want) <= tol, (n, rel_err(got, want))
+    """Gradients of every input through chunk_gla against autograd through the float64 loop (and
+    the final state's only where there is an initial state)."""
+    check_against_loop(x, tol, output_final_state=x["initial_state"] is not None, **kw)
 
 
 @pytest.mark.parametrize("gate", ["vector", "scalar", "constant", "none"])
@@ -152,9 +121,7 @@ def test_expanded_initial_state_and_output_gradients():
 
 @pytest.mark.usefixtures("every_gate_steps_back")
 def test_step_loop_grads_grouped_heads_without_state():
-    x = make_inputs("scalar", H=6, G=2, V=12)
-    del x["initial_state"]
-    check_grads(x, scale=0.7)
+    check_grads(make_inputs("scalar", H=6, G=2, V=12, with_h0=False), scale=0.7)
 
 
 def test_step_loop_grads_bf16():
@@ -178,8 +145,7 @@ def test_ops_take_the_step_loop_on_cpu(monkeypatch):
     monkeypatch.setattr(ops, "_bwd_torch", bwd_torch)
 
     def forward_backward(inputs):
-        leaves = {n: t.detach().requires_grad_() for n, t in inputs.items()}
-        chunk_gla(**leaves)[0].sum().backward()
+        chunk_gla(**placed(inputs, requires_grad=True))[0].sum().backward()
 
     forward_backward(x)
     assert chunked == [("bwd", torch.float32)]  # a scalar gate's backward: the chunked one
@@ -189,7 +155,7 @@ def test_ops_take_the_step_loop_on_cpu(monkeypatch):
     assert chunked == []
     with config.patch(cpu_kernel=False):
         forward_backward(x)
-    forward_backward({n: t.double() for n, t in x.items()})  # fp64, the oracles' dtype: the chunked path
+    forward_backward(as_float64(x))  # fp64, the oracles' dtype: the chunked path
     assert chunked == [torch.float32, ("bwd", torch.float32), torch.float64, ("bwd", torch.float64)]
 
 

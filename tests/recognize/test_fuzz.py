@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 import gla_inductor
 from fuzz_programs import Program, categories
 from gla_inductor.backend import rewrite
+from helpers import outputs, rel_err_floor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,28 +78,15 @@ class Float64Mode(TorchFunctionMode):
         return super().__exit__(*exc)
 
 
-def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
-    """max |a - ref| / max(max |ref|, floor); the absolute error where both are 0."""
-    if ref.numel() == 0:
-        return 0.0
-    scale = max(ref.abs().max().item(), floor)
-    err = (a.double() - ref).abs().max().item()
-    return err / scale if scale > 0 else err
-
-
-def _outputs(res) -> list:
-    return list(res) if isinstance(res, (tuple, list)) else [res]
-
-
 def _run(fn, args: list, prog: Program):
     """Outputs, gradients of every input under random upstream gradients (training programs),
     and the inputs as the program left them (a decode step may write its cache in place)."""
     args = [a.detach().clone() for a in args]
     if not prog.train:
         with torch.no_grad():
-            return [o.detach() for o in _outputs(fn(*args))], [], args
+            return [o.detach() for o in outputs(fn(*args))], [], args
     leaves = [a.requires_grad_() for a in args]
-    outs = _outputs(fn(*leaves))
+    outs = outputs(fn(*leaves))
     gen = torch.Generator().manual_seed(prog.seed)
     # weights exact in bf16: rounding them to a bf16 output's dtype in the backward would perturb
     # every upstream gradient, and sums like dg_gamma can cancel down to that noise
@@ -140,7 +128,7 @@ def check_program(prog: Program, backend) -> tuple[int, float]:
 
     def check(what, got, ref, floor=0.0):
         assert got.shape == ref.shape, f"{what} has shape {tuple(got.shape)}, eager {tuple(ref.shape)}" + where
-        errs.append(rel_err(got, ref, floor))
+        errs.append(rel_err_floor(got, ref, floor))
         assert errs[-1] <= tol, f"{what}: relative error {errs[-1]:.2e} > {tol:.0e}" + where
 
     for n, (o, r) in enumerate(zip(outs, ref_outs)):
@@ -306,5 +294,5 @@ def test_known_bug(fn, rewrites):
     counters.clear()
     args = _known_bug_inputs(fn.__name__)
     out = torch.compile(fn, backend=rewrite_only, fullgraph=True)(*args)
-    assert rel_err(out, fn(*[a.double() for a in args])) <= FP32_TOL
+    assert rel_err_floor(out, fn(*[a.double() for a in args])) <= FP32_TOL
     assert counters["gla_inductor"]["rewrites"] == rewrites

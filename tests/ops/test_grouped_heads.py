@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import gla_inductor
@@ -22,6 +21,7 @@ from gla_inductor import ops, triton_chunk
 from gla_inductor.backend import rewrite
 from gla_inductor.recognize import chunked
 from gla_inductor.reference import naive_recurrent_gla
+from helpers import GATES, as_float64, gla_inputs, loop_reference_grads, placed, rel_norm_err
 from spellings import chunked_hf_einsum
 
 triton = pytest.importorskip("triton")
@@ -31,28 +31,16 @@ KERNELS_RUN_HERE = ON_GPU or type(triton.language.cumsum).__name__ == "Interpret
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="needs a GPU or TRITON_INTERPRET=1")
 
 B, T, H, K, V = 1, 37, 4, 8, 8  # odd T: three 16-step chunks for the kernels, the last one partial
-GATES = ["vector", "scalar", "constant", "none"]
 GROUPS = [1, 2, H]  # heads of q and k: one shared by all heads, pairs, none shared
 
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
-def make(G: int, gate: str, seed: int = 0) -> dict:
-    """chunk_gla's inputs, fp32, requiring grad: q, k with G heads, the rest with H."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, f=lambda x: x):
-        return f(torch.randn(*shape, generator=gen)).to(DEVICE).requires_grad_()
-
-    x = dict(q=rand(B, T, G, K), k=rand(B, T, G, K), v=rand(B, T, H, V), initial_state=rand(B, H, K, V))
-    if gate == "vector":
-        x["g"] = rand(B, T, H, K, f=F.logsigmoid)
-    elif gate == "scalar":
-        x["g"] = rand(B, T, H, f=F.logsigmoid)
-    elif gate == "constant":
-        x["g_gamma"] = rand(H, f=lambda t: -F.softplus(t))
-    return x
+def make(G: int, gate: str, seed: int = 0, requires_grad: bool = True) -> dict:
+    """chunk_gla's fp32 inputs (helpers.gla_inputs) on DEVICE, leaves that require grad by default:
+    q, k with G heads, the rest with H."""
+    return placed(gla_inputs(gate, B, T, H, K, V, G=G, seed=seed), DEVICE, requires_grad)
 
 
 def weights(seed: int = 1):
@@ -63,27 +51,18 @@ def weights(seed: int = 1):
 
 
 def reference(x: dict, reverse: bool):
-    """(o, ht, grads) in float64: the time loop on q and k repeated to H heads by repeat_interleave."""
-    x64 = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    r = H // x["q"].shape[2]
-    args = dict(x64, q=x64["q"].repeat_interleave(r, dim=2), k=x64["k"].repeat_interleave(r, dim=2))
-    o, ht = naive_recurrent_gla(**args, output_final_state=True, reverse=reverse)
-    w, wh = weights()
-    ((o * w).sum() + (ht * wh).sum()).backward()
-    return o, ht, {n: t.grad for n, t in x64.items()}
-
-
-def rel(got, want) -> float:
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+    """(o, ht, grads) in float64: the time loop, which reads q and k repeated to H heads by
+    repeat_interleave (helpers.loop_reference_grads), under the cotangents of weights()."""
+    return loop_reference_grads(x, *weights(), reverse=reverse)
 
 
 def check(x: dict, o, ht, reverse: bool, tol: float) -> None:
     """o, ht and the gradients left in x's tensors against the reference; dq, dk grouped like q, k."""
     o64, ht64, grads = reference(x, reverse)
-    assert o.shape == (B, T, H, V) and rel(o, o64) < tol and rel(ht, ht64) < tol
-    for name, t in x.items():
-        assert t.grad.shape == t.shape, name
-        assert rel(t.grad, grads[name]) < 10 * tol, name  # gate gradients sum cancelling terms
+    assert o.shape == (B, T, H, V) and rel_norm_err(o, o64) < tol and rel_norm_err(ht, ht64) < tol
+    for name, want in grads.items():
+        assert x[name].grad.shape == x[name].shape, name
+        assert rel_norm_err(x[name].grad, want) < 10 * tol, name  # gate gradients sum cancelling terms
 
 
 def run_chunk_gla(x: dict, reverse: bool):
@@ -153,13 +132,13 @@ def test_recurrent_kernel():
     """The fused recurrent kernel (short sequences on CUDA) reads shared q and k as well."""
     from gla_inductor.triton_recurrent import fused_recurrent_triton
 
-    x = {n: t.detach() for n, t in make(2, "scalar").items()}
+    x = make(2, "scalar", requires_grad=False)
     x = dict(x, q=x["q"][:, :5], k=x["k"][:, :5], v=x["v"][:, :5], g=x["g"][:, :5])
     ht = torch.empty(B, H, K, V, device=DEVICE)
     o = fused_recurrent_triton(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], ht, 0.3, False)
     want_o, want_ht = naive_recurrent_gla(*(x[n].double() for n in ("q", "k", "v", "g")), scale=0.3,
                                           initial_state=x["initial_state"].double(), output_final_state=True)
-    assert rel(o, want_o) < 1e-5 and rel(ht, want_ht) < 1e-5
+    assert rel_norm_err(o, want_o) < 1e-5 and rel_norm_err(ht, want_ht) < 1e-5
 
 
 def test_fake_shapes():
@@ -185,7 +164,7 @@ def test_fake_shapes():
     ("initial_state has q's heads", r"expected initial_state to be \[B, H, K, V\] = \[1, 4, 8, 8\]"),
 ])
 def test_bad_shapes(case, match):
-    x = {n: t.detach() for n, t in make(2, "vector").items()}
+    x = make(2, "vector", requires_grad=False)
     if case == "G=3 of H=4":
         x["q"] = x["k"] = torch.randn(B, T, 3, K)
     elif case == "k has other heads":
@@ -251,12 +230,12 @@ def test_recognizer_passes_shared_q_and_k(fn):
     assert op_inputs(graphs[0]) == [((b, 12, groups, n), (b, 12, groups, n))]  # T padded to 3 chunks of 4
     assert no_repeat_feeds(graphs[0])
     for g, w in zip(got, want):
-        assert rel(g, w) < 1e-5
+        assert rel_norm_err(g, w) < 1e-5
 
 
 def test_certificate_runs_grouped_reference():
     """The certificate's float64 reference (the naive loop) takes grouped q and k itself."""
-    x = {n: t.detach().double() for n, t in make(2, "vector").items()}
+    x = as_float64(make(2, "vector"))
     o, ht = chunked._reference(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], 0.5, True, False)
     rep = {n: x[n].repeat_interleave(2, dim=2) for n in ("q", "k")}
     o2, ht2 = naive_recurrent_gla(rep["q"], rep["k"], x["v"], x["g"], scale=0.5, initial_state=x["initial_state"],
@@ -290,7 +269,7 @@ def test_mamba2_mixer_with_groups():
     assert counters["gla_inductor"]["rewrites"] == 1
     assert op_inputs(graphs[0]) == [((2, 48, 2, 16), (2, 48, 2, 16))]  # 40 steps padded to 3 chunks
     assert no_repeat_feeds(graphs[0])
-    assert rel(got, want.double()) < 1e-4
+    assert rel_norm_err(got, want.double()) < 1e-4
 
 
 def test_mamba2_mixer_with_groups_trains():
@@ -309,9 +288,9 @@ def test_mamba2_mixer_with_groups_trains():
     want = mixer(x)
     want.square().sum().backward()
     assert counters["gla_inductor"]["rewrites"] == 1
-    assert rel(got, want.double()) < 1e-4
+    assert rel_norm_err(got, want.double()) < 1e-4
     for n, p in mixer.named_parameters():
-        assert rel(got_grads[n], p.grad.double()) < 1e-3, n
+        assert rel_norm_err(got_grads[n], p.grad.double()) < 1e-3, n
 
 
 # ---- (d) the Inductor lowering ----------------------------------------------------------------------

@@ -35,7 +35,7 @@ print(json.dumps({{"err": err, "rewrites": counters["gla_inductor"]["rewrites"],
 
 def run(cache_dir):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
-    script = SCRIPT.format(tests=str(pathlib.Path(__file__).parent))
+    script = SCRIPT.format(tests=str(pathlib.Path(__file__).parents[1]))
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

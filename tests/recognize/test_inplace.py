@@ -16,18 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gla_inductor.backend import rewrite
+from helpers import outputs, rel_err, rewrite_then_eager
 
 B, H, T, K, V = 2, 2, 5, 3, 4
 TOL = 1e-5
 
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
-
-
-def rewrite_then_eager(gm, example_inputs):
-    rewrite(gm, example_inputs)
-    return gm.forward
 
 
 def loop_inputs():
@@ -337,10 +332,6 @@ CASES = [
 ]
 
 
-def outputs(res) -> list:
-    return list(res) if isinstance(res, (tuple, list)) else [res]
-
-
 @pytest.mark.parametrize("fn,make,rewrites", CASES, ids=[c[0].__name__ for c in CASES])
 def test_compiled_equals_eager(fn, make, rewrites):
     args = make()
@@ -351,5 +342,5 @@ def test_compiled_equals_eager(fn, make, rewrites):
         got = outputs(torch.compile(fn, backend=rewrite_then_eager, fullgraph=True)(*compiled_args))
     assert counters["gla_inductor"]["failures"] == 0
     for w, g in zip(want + eager_args, got + compiled_args):  # the outputs, and the inputs as left
-        assert (g.double() - w).abs().max() <= TOL * w.abs().max()
+        assert rel_err(g, w) <= TOL
     assert counters["gla_inductor"]["rewrites"] == rewrites

@@ -11,22 +11,13 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import gla_inductor
-from gla_inductor.backend import rewrite
 
-B, H, T, K, V = 2, 3, 6, 4, 5
-FP32_TOL = 1e-5
+from helpers import (FP32_TOL, HEAD_FIRST_SIZES, check_rewrite_exact, compile_rewritten, head_first_inputs,
+                     rel_err)
 
+B, H, T, K, V = HEAD_FIRST_SIZES
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
-
-
-def inputs(gate: str, h0: bool = False) -> list:
-    gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(B, H, T, K, generator=gen), torch.randn(B, H, T, K, generator=gen)
-    v = torch.randn(B, H, T, V, generator=gen)
-    shape = {"vector": (B, H, T, K), "scalar": (B, H, T), "constant": (H,)}.get(gate)
-    args = [q, k, v] + ([F.logsigmoid(torch.randn(shape, generator=gen) + 1)] if shape else [])
-    return args + ([torch.randn(B, H, K, V, generator=gen)] if h0 else [])
 
 
 def rcumsum(g, dim):
@@ -151,43 +142,10 @@ GLA = {
 }
 
 
-def rel_err(a, ref) -> float:
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def outputs(res) -> list:
-    return list(res) if isinstance(res, (tuple, list)) else [res]
-
-
-def compile_and_capture(fn, args, **kwargs):
-    """Compile with the backend's rewrite (the graph then runs as is); the rewrite results too."""
-    results = []
-
-    def backend(gm, example_inputs):
-        results.append(rewrite(gm, example_inputs))
-        return gm.forward
-
-    return outputs(torch.compile(fn, backend=backend, fullgraph=True, **kwargs)(*args)), results
-
-
-def check_exact(fn, args):
-    """Outputs and the gradient of every input against float64 eager."""
-    args = [a.clone().requires_grad_() for a in args]
-    got, results = compile_and_capture(fn, args)
-    args64 = [a.detach().double().requires_grad_() for a in args]
-    want = outputs(fn(*args64))
-    weights = [torch.randn(w.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) for w in want]
-    grads = torch.autograd.grad(sum((o.double() * w).sum() for o, w in zip(got, weights)), args)
-    grads64 = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)), args64)
-    for what, a, b in [("output", o, w) for o, w in zip(got, want)] + [("gradient", g, w) for g, w in zip(grads, grads64)]:
-        assert a.shape == b.shape and rel_err(a, b) <= FP32_TOL, what
-    return [m for r in results for m in r.matches]
-
-
 @pytest.mark.parametrize("name", sorted(GLA))
 def test_rewritten_with_its_states(name):
     fn, gate, h0, opts = GLA[name]
-    matches = check_exact(fn, inputs(gate, h0))
+    matches = check_rewrite_exact(fn, head_first_inputs(gate, h0))
     assert counters["gla_inductor"]["rewrites"] == 1
     assert [(m.form, m.gate) for m in matches] == [("parallel", gate)]
     assert {k: matches[0].options[k] for k in opts} == opts
@@ -195,7 +153,7 @@ def test_rewritten_with_its_states(name):
 
 def test_inductor_reverse_with_states():
     """Through Inductor: the reverse op with both states compiles and is exact."""
-    args = inputs("vector", h0=True)
+    args = head_first_inputs("vector", h0=True)
     out = torch.compile(final_reverse_vector, backend=gla_inductor.backend, fullgraph=True)(*args)
     assert counters["gla_inductor"]["rewrites"] == 1
     for o, w in zip(out, final_reverse_vector(*[a.double() for a in args])):
@@ -243,8 +201,8 @@ def near_reverse_forward_cumsum_shifted(q, k, v, g):
 @pytest.mark.parametrize("fn", [near_reverse_mask_forward_decay, near_reverse_strict,
                                 near_reverse_forward_cumsum_shifted], ids=lambda f: f.__name__)
 def test_near_miss_is_left_alone(fn):
-    args = inputs("scalar")
-    got, results = compile_and_capture(fn, args)
+    args = head_first_inputs("scalar")
+    got, results = compile_rewritten(fn, args)
     assert counters["gla_inductor"]["rewrites"] == 0
     assert rel_err(got[0], fn(*[a.double() for a in args])) <= FP32_TOL
     assert any(nm.form == "parallel" for r in results for nm in r.near_misses)
@@ -295,6 +253,6 @@ def near_final_without_h0(q, k, v, g, h0):
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_state_term_off_by_one_stays_code(fn, h0, left_out):
     """The attention is rewritten; the state term that is not GLA's is computed as written."""
-    matches = check_exact(fn, inputs("scalar", h0))
+    matches = check_rewrite_exact(fn, head_first_inputs("scalar", h0))
     assert counters["gla_inductor"]["rewrites"] == 1
     assert matches[0].options[left_out] is False

@@ -3,20 +3,19 @@ the kernels do not apply or are switched off. Exercised on CPU through the inter
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gla_inductor
 from gla_inductor import cuda_dispatch, ops
+
+from helpers import gla_inputs
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter routing only")
 
 
 def inputs(dtype=torch.float32):
-    torch.manual_seed(0)
-    q, k = torch.randn(1, 20, 2, 8, dtype=dtype), torch.randn(1, 20, 2, 8, dtype=dtype)
-    v = torch.randn(1, 20, 2, 12, dtype=dtype)
-    return q, k, v, F.logsigmoid(torch.randn(1, 20, 2, 8, dtype=dtype))
+    x = gla_inputs("vector", B=1, T=20, H=2, K=8, V=12, dtype=dtype, with_h0=False)
+    return x["q"], x["k"], x["v"], x["g"]
 
 
 def test_kernels_and_fallback_agree():

@@ -22,8 +22,9 @@ needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="triton was impo
 
 from gla_inductor import triton_chunk  # noqa: E402
 from gla_inductor.gates import GateFn  # noqa: E402
-from gla_inductor.reference import naive_recurrent_gla  # noqa: E402
 from gla_inductor.templates import standalone  # noqa: E402
+
+from helpers import assert_rel_close, loop_reference, loop_reference_grads, rel_norm_err  # noqa: E402
 
 # relative (Frobenius) error bounds against float64, per input dtype
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -196,22 +197,11 @@ def _make_inputs(case: Case, device: str, seed: int = 0):
 
 
 def _reference(q, k, v, g, g_gamma, h0, do, dht, scale, reverse):
-    """(o, ht, grads of q, k, v, g, g_gamma, h0) from autograd through the float64 time loop."""
-    inputs = [None if x is None else x.detach().double().requires_grad_() for x in (q, k, v, g, g_gamma, h0)]
-    o, ht = naive_recurrent_gla(*inputs[:4], g_gamma=inputs[4], scale=scale, initial_state=inputs[5],
-                                output_final_state=True, reverse=reverse)
-    loss = (o * do.double()).sum()
-    if dht is not None:
-        loss = loss + (ht * dht.double()).sum()
-    loss.backward()
-    return o, ht, [None if x is None else x.grad for x in inputs]
-
-
-def _assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all(), f"{name}: not finite"
-    err = ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.1e}"
+    """(o, ht, grads of q, k, v, g, g_gamma, h0 (None for an absent one)) from autograd through the
+    float64 time loop (helpers.loop_reference_grads)."""
+    inputs = dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=h0)
+    o, ht, grads = loop_reference_grads(inputs, do, dht, scale=scale, reverse=reverse)
+    return o, ht, [grads.get(name) for name in inputs]
 
 
 @needs_kernels
@@ -228,10 +218,10 @@ def test_chunk_fwd_bwd_match_reference(case: Case):
 
     tol = TOL[case.dtype] * case.tol_scale
     assert o.dtype == case.dtype
-    _assert_close("o", o, ref_o, tol)
+    assert_rel_close("o", o, ref_o, tol)
     if case.ht:
         assert ht.dtype == torch.float32
-        _assert_close("ht", ht, ref_ht, tol)
+        assert_rel_close("ht", ht, ref_ht, tol)
     else:
         assert ht.shape == (0,)
     names = ("dq", "dk", "dv", "dg", "dg_gamma", "dh0")
@@ -241,7 +231,7 @@ def test_chunk_fwd_bwd_match_reference(case: Case):
             continue
         assert grad.dtype == x.dtype, f"{name} dtype"
         # a bf16 gate gradient is rounded to bf16 as a whole; its relative error is bf16's
-        _assert_close(name, grad, ref, max(tol, TOL[grad.dtype]))
+        assert_rel_close(name, grad, ref, max(tol, TOL[grad.dtype]))
 
 
 @needs_kernels
@@ -256,7 +246,7 @@ def test_tf32_matmul_precision(matmul_precision):
     tol = 1e-2 if ON_GPU else 1e-4
     for name, a, b in [("o", o, ref_o), ("ht", ht, ref_ht), ("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv),
                        ("dg", dg, ref_dg), ("dh0", dh0, ref_dh0)]:
-        _assert_close(name, a, b, tol)
+        assert_rel_close(name, a, b, tol)
 
 
 @needs_kernels
@@ -283,8 +273,8 @@ def test_steep_gates_long_sequence():
     for g in (torch.full((B, T, H, K), -20.0, device="cuda"), torch.full((B, T, H), -20.0, device="cuda")):
         o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, 0.125, True, False)
         expected = 0.125 * (q * k).sum(-1, keepdim=True) * v
-        _assert_close("o", o, expected.double(), 1e-5)
-        _assert_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
+        assert_rel_close("o", o, expected.double(), 1e-5)
+        assert_rel_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
         grads = triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, torch.randn_like(v), None, 0.125, False)
         assert all(torch.isfinite(x).all() for x in grads)
 
@@ -306,14 +296,11 @@ def test_scan_narrow_value_tiles(gate, final_state, warps):
     config = dataclasses.replace(triton_chunk.default_config(1, 128, 1, 64, 64, bf16, False, q.device), block_t=64,
                                  scan=tiles, states=tiles, dual=tiles)
     o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, 0.125, final_state, False, config=config)
-    with torch.no_grad():
-        ref_o, ref_ht = naive_recurrent_gla(*(None if x is None else x.double() for x in (q, k, v, g)),
-                                            g_gamma=None if g_gamma is None else g_gamma.double(), scale=0.125,
-                                            output_final_state=True)
-    _assert_close("o (first chunk)", o[:, :64], ref_o[:, :64], TOL[bf16])
-    _assert_close("o (second chunk)", o[:, 64:], ref_o[:, 64:], TOL[bf16])
+    ref_o, ref_ht = loop_reference(dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma), scale=0.125)
+    assert_rel_close("o (first chunk)", o[:, :64], ref_o[:, :64], TOL[bf16])
+    assert_rel_close("o (second chunk)", o[:, 64:], ref_o[:, 64:], TOL[bf16])
     if final_state:
-        _assert_close("ht", ht, ref_ht, TOL[bf16])
+        assert_rel_close("ht", ht, ref_ht, TOL[bf16])
 
 
 @needs_kernels
@@ -327,7 +314,7 @@ def test_steep_gates_final_state_exact(gate):
     q, k, v = (torch.randn(B, T, H, D, generator=gen).to(DEVICE) for D in (K, K, V))
     g = torch.full((B, T, H, K) if gate == "vector" else (B, T, H), -20.0, device=DEVICE)
     _, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, 0.125, True, False)
-    _assert_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
+    assert_rel_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
 
 
 @needs_kernels
@@ -399,8 +386,7 @@ def test_wide_carry_tiles_match_narrow_ones_on_gpu():
         outs.append([o, *grads])
     for other in outs[1:]:
         for name, a, b in zip(["o", "dq", "dk", "dv", "dg"], other, outs[0]):
-            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-            assert err < 1e-3, f"{name}: relative error {err:.1e}"
+            assert rel_norm_err(a, b) < 1e-3, f"{name}: relative error {rel_norm_err(a, b):.1e}"
 
 
 def test_supports_reports_limits():

@@ -5,11 +5,11 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gla_inductor import config, scratch
 from gla_inductor.ops import BT, chunk_gla
-from gla_inductor.reference import naive_recurrent_gla
+
+from helpers import gla_inputs, loop_reference, placed
 
 GATES = ("vector", "scalar", "none")
 
@@ -17,14 +17,8 @@ pytestmark = pytest.mark.usefixtures("cpu_impl")  # the step loops keep the back
 
 
 def make_inputs(gate, B=2, T=2 * BT, H=1, K=8, V=4, seed=0, grad=False):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = {"vector": (B, T, H, K), "scalar": (B, T, H), "none": None}[gate]
-    g = None if g is None else F.logsigmoid(torch.randn(g, generator=gen))
-    h0 = torch.randn(B, H, K, V, generator=gen)
-    xs = {"q": q, "k": k, "v": v, "g": g, "initial_state": h0}
-    return {n: None if x is None else x.requires_grad_(grad) for n, x in xs.items()}
+    """chunk_gla's fp32 inputs (helpers.gla_inputs), leaves that require grad when grad."""
+    return placed(gla_inputs(gate, B, T, H, K, V, seed=seed), requires_grad=grad)
 
 
 def forward_backward(inputs):
@@ -71,8 +65,7 @@ def test_smaller_then_larger_then_smaller_shapes():
     for T in (BT, 3 * BT + 5, 17):
         inputs = make_inputs("vector", T=T, H=2)
         o, ht = chunk_gla(**inputs, output_final_state=True)
-        ref_o, ref_ht = naive_recurrent_gla(**{n: None if x is None else x.double() for n, x in inputs.items()},
-                                            output_final_state=True)
+        ref_o, ref_ht = loop_reference(inputs)
         torch.testing.assert_close(o.double(), ref_o, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-5)
 
@@ -82,7 +75,7 @@ def test_inference_mode_then_training():
     inputs = make_inputs("vector")
     with torch.inference_mode():
         o_inf = chunk_gla(**inputs)[0]
-    grads = forward_backward({n: None if x is None else x.detach().requires_grad_() for n, x in inputs.items()})
+    grads = forward_backward(placed(inputs, requires_grad=True))
     torch.testing.assert_close(o_inf, grads[0], rtol=0, atol=0)
     with torch.inference_mode():
         torch.testing.assert_close(chunk_gla(**inputs)[0], o_inf, rtol=0, atol=0)

@@ -6,49 +6,12 @@ import torch
 from torch._dynamo.utils import counters
 
 import gla_inductor
+from helpers import FP32_TOL, check_spelling, rel_err, rewrite_then_eager
 from spellings import NEAR_MISSES, SPELLINGS
 
-FP32_TOL = 1e-5
 BF16_TOL = 1e-2
 
-
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    yield
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def outputs(res):
-    return list(res) if isinstance(res, (tuple, list)) else [res]
-
-
-def run_eager64(fn, args, weights):
-    args64 = [a.detach().double().requires_grad_() for a in args]
-    outs = outputs(fn(*args64))
-    loss = sum((o * w.double()).sum() for o, w in zip(outs, weights))
-    grads = torch.autograd.grad(loss, args64)
-    return [o.detach() for o in outs], grads
-
-
-def check_spelling(sp, dtype, tol):
-    args = [a.to(dtype).requires_grad_() for a in sp.make(torch.float32)]
-    compiled = torch.compile(sp.fn, backend=gla_inductor.backend, fullgraph=True)
-    outs = outputs(compiled(*args))
-    assert counters["gla_inductor"]["rewrites"] == sp.rewrites, dict(counters["gla_inductor"])
-    weights = [torch.randn_like(o, dtype=torch.float32) for o in outs]
-    ref_outs, ref_grads = run_eager64(sp.fn, args, weights)
-    for o, r in zip(outs, ref_outs):
-        assert rel_err(o, r) <= tol
-    loss = sum((o.float() * w).sum() for o, w in zip(outs, weights))
-    grads = torch.autograd.grad(loss, args)
-    for a, g, r in zip(args, grads, ref_grads):
-        assert rel_err(g, r) <= tol, f"gradient of an input of shape {tuple(a.shape)}"
+pytestmark = pytest.mark.usefixtures("seeded_compiler")
 
 
 @pytest.mark.parametrize("sp", SPELLINGS, ids=lambda s: s.name)
@@ -61,15 +24,6 @@ def test_spelling_is_rewritten_and_exact(sp):
 def test_bf16(name):
     sp = next(s for s in SPELLINGS if s.name == name)
     check_spelling(sp, torch.bfloat16, BF16_TOL)
-
-
-def rewrite_then_eager(gm, example_inputs):
-    """The backend's rewrite (same counters), then the graph as is: for graphs left alone,
-    Inductor's compile of the naive code would only cost time."""
-    from gla_inductor.backend import rewrite
-
-    rewrite(gm, example_inputs)
-    return gm.forward
 
 
 @pytest.mark.parametrize("sp", NEAR_MISSES, ids=lambda s: s.name)

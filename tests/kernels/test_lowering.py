@@ -19,6 +19,8 @@ import gla_inductor
 from gla_inductor import triton_chunk
 from gla_inductor.reference import naive_recurrent_gla
 
+from helpers import gla_inputs, loop_reference, loop_reference_grads, placed, rel_norm_err
+
 triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -50,33 +52,9 @@ def force_schedule(monkeypatch, fresh_default_config):
     return force
 
 
-def _inputs(B, T, H, K, V, gate, h0, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, f=lambda x: x):
-        return f(torch.randn(*shape, generator=gen)).to(DEVICE, dtype).requires_grad_()
-
-    x = dict(q=rand(B, T, H, K), k=rand(B, T, H, K), v=rand(B, T, H, V))
-    if gate == "vector":
-        x["g"] = rand(B, T, H, K, f=F.logsigmoid)
-    elif gate == "scalar":
-        x["g"] = rand(B, T, H, f=F.logsigmoid)
-    elif gate == "constant":
-        x["g_gamma"] = rand(H, f=lambda t: -F.softplus(t))
-    if h0:
-        x["initial_state"] = rand(B, H, K, V)
-    return x
-
-
-def _reference(x, reverse):
-    """Float64 outputs and gradients of sum(o * w) + sum(ht * wh) through the naive time loop."""
-    x64 = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    o, ht = naive_recurrent_gla(**x64, output_final_state=True, reverse=reverse)
-    return o, ht, x64
-
-
-def _rel(got, want):
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+def _inputs(B, T, H, K, V, gate, h0, dtype=torch.float32, seed=0, requires_grad=True):
+    """chunk_gla's inputs (helpers.gla_inputs) on DEVICE, leaves that require grad by default."""
+    return placed(gla_inputs(gate, B, T, H, K, V, dtype=dtype, with_h0=h0, seed=seed), DEVICE, requires_grad)
 
 
 def _code_of(fn, *args):
@@ -108,12 +86,11 @@ def test_forward_and_backward_run_the_templates(gate, reverse):
     # the backward: the states scan and the dual scan, then dq/dk/dg
     assert bwd_code.count(SCAN_KERNEL) == 2 and bwd_code.count(DQKG_KERNEL) == 1
 
-    o64, ht64, x64 = _reference(x, reverse)
-    ((o64 * w).sum() + (ht64 * wh).sum()).backward()
-    assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
-    for name, t in x.items():
-        # the kernels' fp32 bound (tests/test_triton_kernels.py): gate gradients sum cancelling terms
-        assert _rel(t.grad, x64[name].grad) < 1e-4, name
+    o64, ht64, grads = loop_reference_grads(x, w, wh, reverse=reverse)
+    assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
+    for name, want in grads.items():
+        # the kernels' fp32 bound (tests/kernels/test_chunk_kernels.py): gate gradients sum cancelling terms
+        assert rel_norm_err(x[name].grad, want) < 1e-4, name
 
 
 @pytest.mark.parametrize("gate", ["vector", "scalar", "none"])
@@ -140,11 +117,10 @@ def test_local_schedule_runs_its_templates(gate, force_schedule):
     assert bwd_code.count(LOCAL_KERNEL) == 1 and bwd_code.count(CARRY_KERNEL) == 2
     assert bwd_code.count(DQKG_KERNEL) == 1 and SCAN_KERNEL not in bwd_code
 
-    o64, ht64, x64 = _reference(x, reverse=True)
-    ((o64 * w).sum() + ht64.sum()).backward()
-    assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
-    for name, t in x.items():
-        assert _rel(t.grad, x64[name].grad) < 1e-4, name
+    o64, ht64, grads = loop_reference_grads(x, w, 1.0, reverse=True)
+    assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
+    for name, want in grads.items():
+        assert rel_norm_err(x[name].grad, want) < 1e-4, name
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -155,7 +131,7 @@ def test_nonfinite_values_propagate_like_the_loop(local, value, force_schedule):
     loop's is for a NaN. The fused scan redoes the poisoned program's walk and stores o again
     through the same fused epilogue (here * 2 + 1); the local schedule's carry checks each chunk."""
     force_schedule(local)
-    x = {n: t.detach() for n, t in _inputs(1, 100, 2, 16, 24, "vector", h0=False).items()}
+    x = _inputs(1, 100, 2, 16, 24, "vector", h0=False, requires_grad=False)
     x["v"][0, 80, 1, 5] = value  # in the second chunk of 64 steps
 
     @torch.compile(fullgraph=True)
@@ -167,13 +143,13 @@ def test_nonfinite_values_propagate_like_the_loop(local, value, force_schedule):
     assert code.count(CARRY_KERNEL if local else SCAN_KERNEL) == 1 and not EXTERN_CALL.search(code)
     if not local:
         assert len(re.findall(r"def (triton_\w+)\(", code)) == 1  # the epilogue is in the template
-    o64, ht64 = naive_recurrent_gla(**{n: t.double() for n, t in x.items()}, output_final_state=True)
+    o64, ht64 = loop_reference(x)
     for got, want in ((o, o64 * 2 + 1), (ht, ht64)):
         bad = ~torch.isfinite(want)
         assert bad.any() and torch.equal(~torch.isfinite(got), bad)
         if value != value:
             assert torch.equal(got.isnan(), want.isnan())
-        assert _rel(got[~bad], want[~bad]) < 1e-5
+        assert rel_norm_err(got[~bad], want[~bad]) < 1e-5
 
 
 @pytest.mark.parametrize("gate", ["vector", "scalar", "none"])
@@ -202,18 +178,17 @@ def test_carries_in_segments(gate, monkeypatch):
     assert not EXTERN_CALL.search(fwd_code + bwd_code)
     assert fwd_code.count(LOCAL_KERNEL) == 1 and fwd_code.count(CARRY_KERNEL) == 2
     assert bwd_code.count(CARRY_KERNEL) == 4  # the states carry and the dual one, each after its sums
-    o64, ht64, x64 = _reference(x, reverse=False)
-    (o64.sum() + ht64.sum()).backward()
-    assert _rel(o, o64) < 1e-5 and _rel(ht, ht64) < 1e-5
-    for name, t in x.items():
-        assert _rel(t.grad, x64[name].grad) < 1e-4, name
+    o64, ht64, grads = loop_reference_grads(x, 1.0, 1.0)
+    assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
+    for name, want in grads.items():
+        assert rel_norm_err(x[name].grad, want) < 1e-4, name
 
 
 def test_pointwise_consumers_fuse_into_the_forward_template():
     """Output gating, a dtype cast and the transpose back to [B, T, H * V] are stored by the template
     itself: the compiled forward is one kernel."""
     B, T, H, K, V = 2, 19, 2, 16, 16
-    x = {n: t.detach() for n, t in _inputs(B, T, H, K, V, "vector", h0=False).items()}
+    x = _inputs(B, T, H, K, V, "vector", h0=False, requires_grad=False)
     z = torch.randn(B, T, H, V, device=DEVICE)
 
     def block(x, z):
@@ -254,10 +229,10 @@ def test_sequence_length_changes_without_recompiling():
         return gla_inductor.chunk_gla(q, k, v, g)[0]
 
     for T in (9, 23, 40):
-        x = {n: t.detach() for n, t in _inputs(1, T, 2, 16, 16, "scalar", h0=False, seed=T).items()}
-        out = fwd(**x)
-        want = naive_recurrent_gla(*(x[n].double() for n in ("q", "k", "v", "g")))[0]
-        assert _rel(out, want) < 1e-5, T
+        x = _inputs(1, T, 2, 16, 16, "scalar", h0=False, seed=T, requires_grad=False)
+        out = fwd(x["q"], x["k"], x["v"], x["g"])
+        want = loop_reference(x)[0]
+        assert rel_norm_err(out, want) < 1e-5, T
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -275,15 +250,15 @@ def test_backend_naive_loop_runs_the_templates():
 
 def test_unsupported_inputs_lower_to_the_eager_op():
     """float64 is beyond the kernels: the graph calls the eager op (and says why in the log)."""
-    x = {n: t.detach().double() for n, t in _inputs(1, 8, 1, 16, 16, "vector", h0=False).items()}
+    x = _inputs(1, 8, 1, 16, 16, "vector", h0=False, dtype=torch.float64, requires_grad=False)
     out, (code,) = run_and_get_code(torch.compile(lambda x: gla_inductor.chunk_gla(**x)[0]), x)
     assert EXTERN_CALL.search(code) and SCAN_KERNEL not in code
-    want = naive_recurrent_gla(*(x[n] for n in ("q", "k", "v", "g")))[0]
-    assert _rel(out, want) < 1e-10
+    want = loop_reference(x)[0]
+    assert rel_norm_err(out, want) < 1e-10
 
 
 def test_switch_forces_the_eager_op():
-    x = {n: t.detach() for n, t in _inputs(1, 8, 1, 16, 16, "none", h0=False).items()}
+    x = _inputs(1, 8, 1, 16, 16, "none", h0=False, requires_grad=False)
     with gla_inductor.config.patch(triton_kernels=False):
         _, (code,) = run_and_get_code(torch.compile(lambda x: gla_inductor.chunk_gla(**x)[0]), x)
     assert EXTERN_CALL.search(code) and SCAN_KERNEL not in code
@@ -306,9 +281,9 @@ def test_compile_modes(mode):
         ref_args = [a.detach().double().requires_grad_() for a in args]
         ref = spelling.fn(*ref_args)
         ref.sum().backward()
-        assert _rel(out, ref) < 1e-4, seed
+        assert rel_norm_err(out, ref) < 1e-4, seed
         for a, r in zip(args, ref_args):
-            assert _rel(a.grad, r.grad) < 1e-4, seed
+            assert rel_norm_err(a.grad, r.grad) < 1e-4, seed
 
 
 @pytest.mark.parametrize("gate_fn", ["logsigmoid", "softplus"])
@@ -357,7 +332,7 @@ def test_fused_gate_is_computed_by_the_templates(gate_fn):
            else -ref_args[4].exp()[:, None] * F.softplus(ref_args[3] + ref_args[5]))
     ref = naive_recurrent_gla(*ref_args[:3], g64)[0]
     ref.square().sum().backward()
-    assert _rel(out, ref) < 1e-5
+    assert rel_norm_err(out, ref) < 1e-5
     used = [0, 1, 2, 3] + ([4, 5] if gate_fn == "softplus" else [])
     for i in used:
-        assert _rel(args[i].grad, ref_args[i].grad) < 1e-4, i
+        assert rel_norm_err(args[i].grad, ref_args[i].grad) < 1e-4, i

@@ -8,56 +8,14 @@ from gla_inductor import ops
 from gla_inductor.ops import chunk_gla
 from gla_inductor.reference import naive_recurrent_gla
 
-GATES = ["none", "scalar", "vector", "constant"]
-
+from helpers import GATES, as_float64, call, check_against_loop, forward_and_grads, gla_inputs, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cpu_impl")
 
-def make_inputs(gate, B=2, T=65, H=2, K=5, V=6, dtype=torch.float64, with_h0=True, g_fn=None, seed=0):
-    """Keyword inputs of chunk_gla; g_fn(shape) draws the log gate (default logsigmoid of a normal)."""
-    torch.manual_seed(seed)
-    g_fn = g_fn or (lambda shape: F.logsigmoid(torch.randn(shape, dtype=torch.float64)))
-    inputs = {
-        "q": torch.randn(B, T, H, K, dtype=torch.float64),
-        "k": torch.randn(B, T, H, K, dtype=torch.float64),
-        "v": torch.randn(B, T, H, V, dtype=torch.float64),
-        "g": {"scalar": g_fn((B, T, H)), "vector": g_fn((B, T, H, K))}.get(gate),
-        "g_gamma": g_fn((H,)) if gate == "constant" else None,
-        "initial_state": torch.randn(B, H, K, V, dtype=torch.float64) if with_h0 else None,
-    }
-    return {name: None if x is None else x.to(dtype) for name, x in inputs.items()}
 
-
-def as_reference(inputs):
-    """The same values in float64, as fresh leaves that require grad."""
-    return {n: None if x is None else x.detach().double().requires_grad_() for n, x in inputs.items()}
-
-
-def rel_err(a, ref):
-    """max |a - ref| / max |ref|, 0 for empty tensors."""
-    if ref.numel() == 0:
-        return 0.0
-    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
-
-
-def call(fn, inputs, **kw):
-    args = dict(inputs)
-    return fn(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), **args, **kw)
-
-
-def forward_and_grads(fn, inputs, output_final_state=True, seed=1, **kw):
-    """o, final state and the gradients of every given input under random upstream gradients."""
-    leaves = {n: x for n, x in inputs.items() if x is not None}
-    for x in leaves.values():
-        x.requires_grad_()
-    o, ht = call(fn, inputs, output_final_state=output_final_state, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    # drawn in float64 whatever the output dtype, so that every caller sees the same values
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
-    if output_final_state:
-        loss = loss + (ht * torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.dtype)).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
-    return o, ht, dict(zip(leaves, grads))
+def make_inputs(gate, T=65, K=5, V=6, dtype=torch.float64, **kw):
+    """chunk_gla's inputs (helpers.gla_inputs) at this module's default sizes, in float64."""
+    return gla_inputs(gate, T=T, K=K, V=V, dtype=dtype, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +35,7 @@ def test_forward_matches_naive(gate, T, dtype, tol, mode):
     inputs = make_inputs(gate, T=T, dtype=dtype, with_h0=with_h0)
     kw = dict(output_final_state=output_final_state, reverse=reverse)
     o, ht = call(chunk_gla, inputs, **kw)
-    o_ref, ht_ref = call(naive_recurrent_gla, as_reference(inputs), **kw)
+    o_ref, ht_ref = call(naive_recurrent_gla, as_float64(inputs), **kw)
     assert o.shape == o_ref.shape and o.dtype == dtype
     assert rel_err(o, o_ref) <= tol
     if output_final_state:
@@ -91,7 +49,7 @@ def test_forward_matches_naive(gate, T, dtype, tol, mode):
 def test_forward_odd_head_dims(gate, K, V):
     inputs = make_inputs(gate, T=70, H=1, K=K, V=V, dtype=torch.float32)
     o, ht = call(chunk_gla, inputs, output_final_state=True)
-    o_ref, ht_ref = call(naive_recurrent_gla, as_reference(inputs), output_final_state=True)
+    o_ref, ht_ref = call(naive_recurrent_gla, as_float64(inputs), output_final_state=True)
     assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5
 
 
@@ -100,7 +58,7 @@ def test_forward_odd_head_dims(gate, K, V):
 def test_forward_bf16(gate, reverse):
     inputs = make_inputs(gate, T=100, dtype=torch.bfloat16)
     o, ht = call(chunk_gla, inputs, output_final_state=True, reverse=reverse)
-    o_ref, ht_ref = call(naive_recurrent_gla, as_reference(inputs), output_final_state=True, reverse=reverse)
+    o_ref, ht_ref = call(naive_recurrent_gla, as_float64(inputs), output_final_state=True, reverse=reverse)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     assert rel_err(o, o_ref) <= 1e-2 and rel_err(ht, ht_ref) <= 1e-2
 
@@ -113,7 +71,7 @@ def test_output_dtypes_and_contiguity():
     o, ht = call(chunk_gla, inputs, output_final_state=True)
     assert o.dtype == torch.float32 and o.is_contiguous()
     assert ht.dtype == torch.float32 and ht.is_contiguous()
-    o_ref, _ = call(naive_recurrent_gla, as_reference(inputs))
+    o_ref, _ = call(naive_recurrent_gla, as_float64(inputs))
     assert rel_err(o, o_ref) <= 1e-5
 
     raw = torch.ops.gla_inductor.chunk_fwd(*make_inputs("none", T=3).values(), 1.0, False, False)
@@ -124,7 +82,7 @@ def test_outputs_contiguous_for_strided_state():
     # T = 0 passes the state straight through; the outputs must still be fresh and contiguous
     inputs = make_inputs("vector", T=0, K=4, V=3)
     inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous().transpose(-1, -2)
-    dht = torch.randn(2, 2, 3, 4, dtype=torch.float64).transpose(-1, -2)
+    dht = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64).transpose(-1, -2)
     _, ht = torch.ops.gla_inductor.chunk_fwd(*inputs.values(), 1.0, True, False)
     do = torch.zeros(2, 0, 2, 3, dtype=torch.float64)
     grads = torch.ops.gla_inductor.chunk_bwd(*inputs.values(), do, dht, 1.0, False)
@@ -139,16 +97,8 @@ def test_outputs_contiguous_for_strided_state():
 
 
 def check_grads(inputs, tol, **kw):
-    o, ht, grads = forward_and_grads(chunk_gla, inputs, **kw)
-    o_ref, ht_ref, grads_ref = forward_and_grads(naive_recurrent_gla, as_reference(inputs), **kw)
-    assert rel_err(o, o_ref) <= tol
-    if kw.get("output_final_state", True):
-        assert rel_err(ht, ht_ref) <= tol
-    for name, ref in grads_ref.items():
-        got = grads[name]
-        assert got.shape == inputs[name].shape and got.dtype == inputs[name].dtype, name
-        assert torch.isfinite(got).all(), name
-        assert rel_err(got, ref) <= tol, f"d{name}: {rel_err(got, ref):.3g}"
+    """o, the final state and every gradient against the float64 loop (helpers.check_against_loop)."""
+    check_against_loop(inputs, tol, **kw)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -212,14 +162,14 @@ def test_strong_decay_long_sequence(gate):
     # log-gates down to -20 per step: chunk-wide cumulative gates reach ~ -1000, and G_i - G_j over
     # the whole sequence would be ~ -40000; nothing may overflow or lose the well-scaled terms
     inputs = make_inputs(gate, B=1, T=4096, H=1, K=4, V=4, dtype=torch.float32, with_h0=True,
-                         g_fn=lambda shape: -20 * torch.rand(shape, dtype=torch.float64))
+                         g_fn=lambda shape, gen: -20 * torch.rand(shape, generator=gen, dtype=torch.float64))
     check_grads(inputs, 1e-5)
 
 
 @pytest.mark.parametrize("gate", ["scalar", "vector", "constant"])
 def test_positive_log_gates(gate):
     inputs = make_inputs(gate, B=1, T=200, H=2, K=4, V=4, dtype=torch.float32,
-                         g_fn=lambda shape: torch.full(shape, 0.05, dtype=torch.float64))
+                         g_fn=lambda shape, gen: torch.full(shape, 0.05, dtype=torch.float64))
     check_grads(inputs, 1e-5)
 
 
@@ -230,13 +180,13 @@ def test_strong_decay_every_step(gate, log_gate):
     # underflows beyond a few steps (exp(-100) is already subnormal in fp32), which may only drop
     # terms that are smaller still
     inputs = make_inputs(gate, B=1, T=200, H=2, K=8, V=4, dtype=torch.float32,
-                         g_fn=lambda shape: torch.full(shape, log_gate, dtype=torch.float64))
+                         g_fn=lambda shape, gen: torch.full(shape, log_gate, dtype=torch.float64))
     check_grads(inputs, 1e-5)
 
 
 def test_vector_gate_mixed_decay_keys():
     # half the keys forget at once, half barely: the decays of different keys must not mix
-    def g_fn(shape):
+    def g_fn(shape, gen):
         g = torch.full(shape, -1e-3, dtype=torch.float64)
         g[..., ::2] = -20.0
         return g
@@ -250,9 +200,9 @@ def test_soft_decay_after_hard(gate):
     # ones must be summed on their own; as a difference of prefix sums that include the hard
     # steps they would carry an error of ~1e3 * eps (a mutation doing that for the block suffixes
     # fails here)
-    def g_fn(shape):
+    def g_fn(shape, gen):
         soft = (torch.arange(shape[1]) - 4) % 16 >= 8
-        hard = -200 * (1 + torch.rand(shape, dtype=torch.float64))
+        hard = -200 * (1 + torch.rand(shape, generator=gen, dtype=torch.float64))
         return torch.where(soft.view(1, -1, *[1] * (len(shape) - 2)), hard / 4000, hard)
 
     check_grads(make_inputs(gate, B=1, T=256, H=2, K=4, V=4, dtype=torch.float32, g_fn=g_fn), 1e-5)
@@ -311,8 +261,9 @@ def test_opcheck_chunk_fwd(args):
 @pytest.mark.parametrize("gate,with_dht", [("vector", True), ("none", False), ("constant", True)])
 def test_opcheck_chunk_bwd(gate, with_dht):
     inputs = make_inputs(gate, B=1, T=70, H=2, K=4, V=3, dtype=torch.float32, with_h0=with_dht)
-    do = torch.randn(1, 70, 2, 3)
-    dht = torch.randn(1, 2, 4, 3) if with_dht else None
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(1, 70, 2, 3, generator=gen)
+    dht = torch.randn(1, 2, 4, 3, generator=gen) if with_dht else None
     torch.library.opcheck(torch.ops.gla_inductor.chunk_bwd.default, (*inputs.values(), do, dht, 0.5, False))
 
 
@@ -356,7 +307,9 @@ def test_eager_fused_gate_grads_bypass_the_ops(monkeypatch):
     """da and dbias of a fused softplus gate come back through the bypass too."""
     inputs = make_inputs("scalar", T=70)
     H = inputs["q"].shape[2]
-    gate = {"gate_fn": "softplus", "gate_a": -torch.rand(H, dtype=torch.float64), "gate_bias": torch.randn(H, dtype=torch.float64)}
+    gen = torch.Generator().manual_seed(1)
+    gate = {"gate_fn": "softplus", "gate_a": -torch.rand(H, generator=gen, dtype=torch.float64),
+            "gate_bias": torch.randn(H, generator=gen, dtype=torch.float64)}
 
     def run():
         leaves = {**{n: x.detach().clone().requires_grad_() for n, x in inputs.items() if x is not None},
