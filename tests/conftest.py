@@ -30,7 +30,7 @@ def one_thread():
 @pytest.fixture(params=["step_loop", "chunked"])
 def cpu_impl(request):
     """The test runs once with each CPU implementation of the ops: the C++ step loops
-    (gla_inductor/cpu_recurrent.py), which the ops take on CPU, and the chunked PyTorch forward and
+    (gla_inductor/impl/step_loop.py), which the ops take on CPU, and the chunked PyTorch forward and
     backward, which they take for fp64, without a C++ compiler and as the CUDA fallback."""
     from gla_inductor import config
 
@@ -93,14 +93,14 @@ def inductor_triton(monkeypatch):
 
 @pytest.fixture
 def fresh_default_config():
-    """triton_chunk.default_config's cache cleared before the test and after it: for tests that
+    """kconfigs.default_config's cache cleared before the test and after it: for tests that
     patch what it reads (the schedule rule, the SM count), so that no other test is handed their
     choices."""
-    from gla_inductor import triton_chunk
+    from gla_inductor.kernels import chunk as kchunk, configs as kconfigs
 
-    triton_chunk.default_config.cache_clear()
+    kconfigs.default_config.cache_clear()
     yield
-    triton_chunk.default_config.cache_clear()
+    kconfigs.default_config.cache_clear()
 
 
 _SUMMARY = pytest.StashKey[list]()

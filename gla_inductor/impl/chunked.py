@@ -38,7 +38,7 @@ the time loop forms too (exp(span) k_j v_j, exp(gc[i]) h), so it stays in range 
 state does; the exceptions need a span of one chunk to exceed fp32's exp range (~88, a mean gate
 above 1.38 over 64 steps) while the loop stays finite, i.e. exp(gc[i]) with a state h entering
 the chunk below exp(-88), or a product one of whose sub-spans decays that much while another
-grows as much (tests/test_bad_input.py checks g up to 1 per step, past the loop's own overflow).
+grows as much (tests/ops/test_bad_input.py checks g up to 1 per step, past the loop's own overflow).
 Pairs above the diagonal are never formed (the split), or their decay is 0 and the product
 with it is cleared again by ``tril_``, which writes zeros, so they can produce neither inf nor
 NaN. No decay is ever a difference of two long prefix sums, nor a quotient of two long prefix
@@ -51,7 +51,7 @@ exp(x[i]) exp(-x[j]) from an anchor only on chunks whose gates are finite and wh
 factor lies within exp(+-60) (NOTE:[GLA anchored fast path]).
 
 NOTE:[GLA non-finite inputs] A NaN or Inf in k_t, v_t or g_t reaches o from step t on, one in q_t
-only o_t, as in the time loop (tests/test_bad_input.py): NaN exactly where the loop has NaN; for
+only o_t, as in the time loop (tests/ops/test_bad_input.py): NaN exactly where the loop has NaN; for
 Inf the same non-finite entries, though which are NaN rather than +-Inf may differ (the chunked
 form forms q_i . k_j before multiplying by v_j). One product would leak such a value to the
 steps before t of its chunk, as 0 * inf = NaN: A @ v, whose zeros above the diagonal multiply a

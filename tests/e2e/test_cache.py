@@ -97,7 +97,7 @@ def test_template_change_invalidates_warm_caches(tmp_path):
     first, again = run_copy(), run_copy()
     assert first["file"].startswith(str(tmp_path)) and abs(first["ratio"] - 1) < 1e-4
     assert again["fx_hit"] >= 1 and abs(again["ratio"] - 1) < 1e-4  # the cache works
-    scan = package / "templates" / "gla_chunk_scan.py.jinja"
+    scan = package / "kernels" / "templates" / "gla_chunk_scan.py.jinja"
     source = scan.read_text()
     anchor = "b_o = _gla_dot(b_x, b_sd, F32_PRECISION) + _gla_dot(b_A, b_w, F32_PRECISION)"
     assert anchor in source

@@ -1,4 +1,4 @@
-"""Numerics of the chunked GLA Triton kernels (``gla_inductor.triton_chunk``), forward and backward.
+"""Numerics of the chunked GLA Triton kernels (``gla_inductor.kconfigs``), forward and backward.
 
 Every case is checked against autograd through the float64 time loop of ``gla_inductor.reference``.
 Without a GPU the kernels run on CPU tensors under the Triton interpreter (``conftest.py`` sets
@@ -20,9 +20,10 @@ pytest.importorskip("jinja2")
 KERNELS_RUN_HERE = ON_GPU or type(triton.language.cumsum).__name__ == "InterpretedFunction"
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="triton was imported without TRITON_INTERPRET=1")
 
-from gla_inductor import triton_chunk  # noqa: E402
+from gla_inductor.kernels import chunk as kchunk, configs as kconfigs  # noqa: E402
 from gla_inductor.gates import GateFn  # noqa: E402
-from gla_inductor.templates import standalone  # noqa: E402
+from gla_inductor.kernels import standalone  # noqa: E402
+from gla_inductor.contract import GLACall
 
 from helpers import assert_rel_close, loop_reference, loop_reference_grads, rel_norm_err  # noqa: E402
 
@@ -209,11 +210,11 @@ def _reference(q, k, v, g, g_gamma, h0, do, dht, scale, reverse):
 def test_chunk_fwd_bwd_match_reference(case: Case):
     q, k, v, g, g_gamma, h0, do, dht = _make_inputs(case, DEVICE)
     scale = case.K**-0.5
-    config = triton_chunk.default_config(case.B, case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
+    config = kconfigs.default_config(case.B, case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
                                          q.device)
     config = dataclasses.replace(config, split=case.split, local=case.local, segments=case.segments)
-    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, scale, case.ht, case.reverse, config=config)
-    grads = triton_chunk.chunk_bwd_triton(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse, config=config)
+    o, ht = kchunk.forward(GLACall(q, k, v, g, g_gamma, h0, scale, case.ht, case.reverse), config=config)
+    grads = kchunk.backward(GLACall(q, k, v, g, g_gamma, h0, scale, reverse=case.reverse), do, dht, config=config)
     ref_o, ref_ht, ref_grads = _reference(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse)
 
     tol = TOL[case.dtype] * case.tol_scale
@@ -240,8 +241,8 @@ def test_tf32_matmul_precision(matmul_precision):
     matmul_precision("high")
     case = Case("vector", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True)
     q, k, v, g, g_gamma, h0, do, dht = _make_inputs(case, DEVICE)
-    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, h0, 0.5, True, False)
-    dq, dk, dv, dg, _, dh0 = triton_chunk.chunk_bwd_triton(q, k, v, g, None, h0, do, dht, 0.5, False)
+    o, ht = kchunk.forward(GLACall(q, k, v, g, None, h0, 0.5, True, False))
+    dq, dk, dv, dg, _, dh0 = kchunk.backward(GLACall(q, k, v, g, None, h0, 0.5, reverse=False), do, dht)
     ref_o, ref_ht, (ref_dq, ref_dk, ref_dv, ref_dg, _, ref_dh0) = _reference(q, k, v, g, None, h0, do, dht, 0.5, False)
     tol = 1e-2 if ON_GPU else 1e-4
     for name, a, b in [("o", o, ref_o), ("ht", ht, ref_ht), ("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv),
@@ -255,11 +256,10 @@ def test_empty_sequence():
     q, k, v = (torch.randn(2, 0, 3, D, device=DEVICE) for D in (8, 8, 4))
     g = torch.zeros(2, 0, 3, 8, device=DEVICE)
     h0, dht = torch.randn(2, 3, 8, 4, device=DEVICE), torch.randn(2, 3, 8, 4, device=DEVICE)
-    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, h0, 1.0, True, False)
+    o, ht = kchunk.forward(GLACall(q, k, v, g, None, h0, 1.0, True, False))
     assert o.shape == (2, 0, 3, 4)
     torch.testing.assert_close(ht, h0)
-    dq, dk, dv, dg, dg_gamma, dh0 = triton_chunk.chunk_bwd_triton(q, k, v, g, None, h0, torch.zeros_like(v), dht,
-                                                                   1.0, False)
+    dq, dk, dv, dg, dg_gamma, dh0 = kchunk.backward(GLACall(q, k, v, g, None, h0, 1.0, reverse=False), torch.zeros_like(v), dht)
     assert dq.shape == q.shape and dv.shape == v.shape and dg.shape == g.shape and dg_gamma.shape == (0,)
     torch.testing.assert_close(dh0, dht)
 
@@ -271,11 +271,11 @@ def test_steep_gates_long_sequence():
     B, T, H, K, V = 1, 65536, 2, 64, 64
     q, k, v = (torch.randn(B, T, H, D, device="cuda") for D in (K, K, V))
     for g in (torch.full((B, T, H, K), -20.0, device="cuda"), torch.full((B, T, H), -20.0, device="cuda")):
-        o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, 0.125, True, False)
+        o, ht = kchunk.forward(GLACall(q, k, v, g, None, None, 0.125, True, False))
         expected = 0.125 * (q * k).sum(-1, keepdim=True) * v
         assert_rel_close("o", o, expected.double(), 1e-5)
         assert_rel_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
-        grads = triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, torch.randn_like(v), None, 0.125, False)
+        grads = kchunk.backward(GLACall(q, k, v, g, None, None, 0.125, reverse=False), torch.randn_like(v), None)
         assert all(torch.isfinite(x).all() for x in grads)
 
 
@@ -292,10 +292,10 @@ def test_scan_narrow_value_tiles(gate, final_state, warps):
     loop (gla_chunk_scan)."""
     case = Case(gate, T=128, K=64, V=64, dtype=bf16, ht=final_state)
     q, k, v, g, g_gamma, h0, _, _ = _make_inputs(case, DEVICE)
-    tiles = triton_chunk.TileConfig(block_v=32, num_warps=warps, num_stages=2)
-    config = dataclasses.replace(triton_chunk.default_config(1, 128, 1, 64, 64, bf16, False, q.device), block_t=64,
+    tiles = kconfigs.TileConfig(block_v=32, num_warps=warps, num_stages=2)
+    config = dataclasses.replace(kconfigs.default_config(1, 128, 1, 64, 64, bf16, False, q.device), block_t=64,
                                  scan=tiles, states=tiles, dual=tiles)
-    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, g_gamma, h0, 0.125, final_state, False, config=config)
+    o, ht = kchunk.forward(GLACall(q, k, v, g, g_gamma, h0, 0.125, final_state, False), config=config)
     ref_o, ref_ht = loop_reference(dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma), scale=0.125)
     assert_rel_close("o (first chunk)", o[:, :64], ref_o[:, :64], TOL[bf16])
     assert_rel_close("o (second chunk)", o[:, 64:], ref_o[:, 64:], TOL[bf16])
@@ -313,7 +313,7 @@ def test_steep_gates_final_state_exact(gate):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=gen).to(DEVICE) for D in (K, K, V))
     g = torch.full((B, T, H, K) if gate == "vector" else (B, T, H), -20.0, device=DEVICE)
-    _, ht = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, 0.125, True, False)
+    _, ht = kchunk.forward(GLACall(q, k, v, g, None, None, 0.125, True, False))
     assert_rel_close("ht", ht, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
 
 
@@ -322,7 +322,7 @@ def test_carry_segments_only_where_the_carries_leave_sms_idle():
     """The rule of ``carry_segments`` at the shapes its H100 sweep measured (132 SMs): segments where
     the carries' programs fill at most half the SMs and the sequence has chunks to cut, none where
     they fill more (there the extra pass cost more than it saved)."""
-    segments = triton_chunk.carry_segments
+    segments = kconfigs.carry_segments
     assert segments(2, 16, 128, 256, sms=132) == 8  # (2, 16384, 16, 128, 128): 64 programs
     assert segments(1, 8, 128, 32, sms=132) == 8  # (1, 2048, 8, 128, 128): 16 programs, 4 chunks each
     assert segments(1, 96, 128, 128, sms=132) == 1  # (1, 8192, 96, 128, 128): 192 programs
@@ -338,7 +338,7 @@ def test_carry_tiles_and_schedule_by_head_size():
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
 
     def config(K, V, dtype=bf16, vector=True):
-        return triton_chunk.default_config(8, 2048, 4, K, V, dtype, vector, cpu)
+        return kconfigs.default_config(8, 2048, 4, K, V, dtype, vector, cpu)
 
     assert (config(256, 512).carry.block_v, config(256, 512).carry.num_warps) == (128, 8)
     assert (config(256, 512, torch.float32).carry.block_v, config(256, 512, torch.float32).carry.num_warps) == (64, 8)
@@ -357,9 +357,9 @@ def test_forward_scan_value_tiles_narrow_where_programs_leave_sms_idle(monkeypat
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
 
     def scan_tile(B, T, H, K, V, vector=False):
-        return triton_chunk.default_config(B, T, H, K, V, torch.bfloat16, vector, torch.device("cuda")).scan
+        return kconfigs.default_config(B, T, H, K, V, torch.bfloat16, vector, torch.device("cuda")).scan
 
-    assert scan_tile(2, 4096, 16, 128, 128) == triton_chunk.TileConfig(block_v=32, num_warps=4, num_stages=2)
+    assert scan_tile(2, 4096, 16, 128, 128) == kconfigs.TileConfig(block_v=32, num_warps=4, num_stages=2)
     assert scan_tile(1, 8192, 96, 64, 64).block_v == 32  # 96 programs of 64 values
     assert scan_tile(8, 2048, 16, 128, 128).block_v == 64  # 256 programs of 64 values
     assert scan_tile(1, 8192, 96, 128, 128).block_v == 64  # 192
@@ -376,13 +376,13 @@ def test_wide_carry_tiles_match_narrow_ones_on_gpu():
     q, k = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v, do = (torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     g = (F.logsigmoid(torch.randn(B, T, H, K, device="cuda")) / 16).to(torch.bfloat16)
-    base = triton_chunk.default_config(B, T, H, K, V, q.dtype, True, q.device)
+    base = kconfigs.default_config(B, T, H, K, V, q.dtype, True, q.device)
     outs = []
     for bv, warps in ((64, 4), (128, 8), (128, 8)):
         cfg = dataclasses.replace(base, local=True, segments=1,
                                   carry=dataclasses.replace(base.carry, block_v=bv, num_warps=warps))
-        o = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, K ** -0.5, False, False, config=cfg)[0]
-        grads = triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, do, None, K ** -0.5, False, config=cfg)[:4]
+        o = kchunk.forward(GLACall(q, k, v, g, None, None, K ** -0.5, False, False), config=cfg)[0]
+        grads = kchunk.backward(GLACall(q, k, v, g, None, None, K ** -0.5, reverse=False), do, None, config=cfg)[:4]
         outs.append([o, *grads])
     for other in outs[1:]:
         for name, a, b in zip(["o", "dq", "dk", "dv", "dg"], other, outs[0]):
@@ -391,13 +391,13 @@ def test_wide_carry_tiles_match_narrow_ones_on_gpu():
 
 def test_supports_reports_limits():
     q = torch.randn(1, 4, 2, 16, device=DEVICE)
-    assert triton_chunk.triton_supports(q, q, q) is None
+    assert kconfigs.unsupported_reason(GLACall(q, q, q)) is None
     big_k = torch.randn(1, 4, 2, 320, device=DEVICE)
-    assert "K = 320" in triton_chunk.triton_supports(big_k, big_k, q)
+    assert "K = 320" in kconfigs.unsupported_reason(GLACall(big_k, big_k, q))
     big_v = torch.randn(1, 4, 2, 640, device=DEVICE)
-    assert "V = 640" in triton_chunk.triton_supports(q, q, big_v)
+    assert "V = 640" in kconfigs.unsupported_reason(GLACall(q, q, big_v))
     q64 = q.double()
-    assert "float64" in triton_chunk.triton_supports(q64, q64, q64)
+    assert "float64" in kconfigs.unsupported_reason(GLACall(q64, q64, q64))
 
 
 @needs_kernels

@@ -1,4 +1,4 @@
-"""The Triton kernels (``gla_inductor.triton_chunk``; the interpreter on CPU, compiled on a GPU) on
+"""The Triton kernels (``gla_inductor.kconfigs``; the interpreter on CPU, compiled on a GPU) on
 extreme inputs, as tests/ops/test_bad_input.py checks the CPU implementations: NaN and Inf
 propagating as in the naive recurrence (see that file for what this means), in every schedule;
 a log gate of -inf; NaN in a fused gate's input; growing states (positive log gates).
@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from gla_inductor.reference import naive_recurrent_gla
+from gla_inductor.contract import GLACall
+from gla_inductor.kernels import configs as kconfigs
 
 from helpers import (POSITIVE_TOL, as_float64, assert_nonfinite_like, call, gla_inputs, nonfinite_cases,
                      per_step_error, poison, positive_gate, rel_err)
@@ -24,9 +26,9 @@ def _kernels():
     pytest.importorskip("jinja2")
     if KERNEL_DEVICE == "cpu" and type(triton.language.cumsum).__name__ != "InterpretedFunction":
         pytest.skip("triton was imported without TRITON_INTERPRET=1")
-    from gla_inductor import triton_chunk
+    from gla_inductor.kernels import chunk as kchunk
 
-    return triton_chunk
+    return kchunk
 
 
 def run_kernels(inputs, reverse=False, scale=0.25, schedule=None):
@@ -39,13 +41,13 @@ def run_kernels(inputs, reverse=False, scale=0.25, schedule=None):
         import dataclasses
 
         B, T, H, K = x["q"].shape
-        tc = _kernels()
-        config = tc.default_config(B, T, H, K, x["v"].shape[-1], x["q"].dtype,
+        _kernels()
+        config = kconfigs.default_config(B, T, H, K, x["v"].shape[-1], x["q"].dtype,
                                    x["g"] is not None and x["g"].dim() == 4, x["q"].device)
         config = dataclasses.replace(config, split=schedule == "split", local=schedule in ("local", "segments"),
                                      segments=2 if schedule == "segments" else 1)
-    o, ht = _kernels().chunk_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["g_gamma"], x["initial_state"],
-                                        scale, True, reverse, config=config)
+    gla_call = GLACall(x["q"], x["k"], x["v"], x["g"], x["g_gamma"], x["initial_state"], scale, True, reverse)
+    o, ht = _kernels().forward(gla_call, config=config)
     return o.cpu(), ht.cpu()
 
 
@@ -148,8 +150,9 @@ def test_kernels_fused_gate_nan_input_propagates_like_the_loop(gate, gate_fn):
     bias = torch.randn(heads, generator=gen, dtype=torch.float64) if gate_fn == "softplus" else None
     fn = GateFn(gate_fn, 0.5 if gate_fn == "logsigmoid" else 1.0, 0.01 if gate_fn == "softplus" else -3.0, 4.0)
     dev = {n: None if t is None else t.to(KERNEL_DEVICE) for n, t in dict(inputs, g=x, a=a, bias=bias).items()}
-    o, ht = _kernels().chunk_fwd_triton(dev["q"], dev["k"], dev["v"], dev["g"], None, dev["initial_state"], 0.25,
-                                        True, False, gate=fn, gate_a=dev["a"], gate_bias=dev["bias"])
+    gla_call = GLACall(dev["q"], dev["k"], dev["v"], dev["g"], None, dev["initial_state"], 0.25, True, False, gate=fn,
+                   gate_a=dev["a"], gate_bias=dev["bias"])
+    o, ht = _kernels().forward(gla_call)
     ref = dict(inputs, g=log_gate(x, fn, a, bias, torch.float64))
     o_ref, ht_ref = call(naive_recurrent_gla, ref, output_final_state=True, scale=0.25)
     assert torch.isnan(o_ref).any()  # the case is not vacuous

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import gla_inductor
-from gla_inductor import triton_chunk
+from gla_inductor.kernels import chunk as kchunk, configs as kconfigs
 from gla_inductor.reference import naive_recurrent_gla
 
 from helpers import gla_inputs, loop_reference, loop_reference_grads, placed, rel_norm_err
@@ -47,7 +47,7 @@ def force_schedule(monkeypatch, fresh_default_config):
     """force_schedule(local): the local schedule (True) or the fused scan (False) at any head size."""
 
     def force(local: bool):
-        monkeypatch.setattr(triton_chunk, "local_schedule", lambda BK, vector_gate: local)
+        monkeypatch.setattr(kconfigs, "local_schedule", lambda BK, vector_gate: local)
 
     return force
 
@@ -160,7 +160,7 @@ def test_carries_in_segments(gate, monkeypatch):
     from gla_inductor.lowerings import chunk as lowering
 
     def segmented(*args):
-        return dataclasses.replace(triton_chunk.default_config(*args), local=True, segments=2)
+        return dataclasses.replace(kconfigs.default_config(*args), local=True, segments=2)
 
     monkeypatch.setattr(lowering, "default_config", segmented)
     x = _inputs(1, 150, 2, 16, 24, gate, h0=True)  # 3 chunks: segments of 2 and 1

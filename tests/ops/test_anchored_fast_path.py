@@ -1,11 +1,11 @@
-"""The vector-gate forward's anchored fast path (NOTE:[GLA anchored fast path] in gla_inductor/ops.py):
+"""The vector-gate forward's anchored fast path (NOTE:[GLA anchored fast path] in gla_inductor/impl/chunked.py):
 which chunks take it, and both it and the split it falls back to against the float64 loop."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gla_inductor import ops
+from gla_inductor.impl import chunked as chunked_impl
 from gla_inductor.ops import chunk_gla
 from gla_inductor.reference import naive_recurrent_gla
 
@@ -13,7 +13,7 @@ from helpers import check_against_loop, gla_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread", "chunked_impl")
 
-BT = ops.BT
+BT = chunked_impl.BT
 
 
 def make_inputs(g, K=8, V=5, dtype=torch.float32, seed=0):
@@ -51,10 +51,10 @@ def paths(monkeypatch):
         seen["redone"].append(tuple(i.tolist() for i in idx))
         return redo(intra, idx, *args)
 
-    redo = ops._redo_by_split
-    monkeypatch.setattr(ops, "_anchored_intra", counting("anchored", ops._anchored_intra))
-    monkeypatch.setattr(ops, "_intra", counting("split", ops._intra))
-    monkeypatch.setattr(ops, "_redo_by_split", recording)
+    redo = chunked_impl._redo_by_split
+    monkeypatch.setattr(chunked_impl, "_anchored_intra", counting("anchored", chunked_impl._anchored_intra))
+    monkeypatch.setattr(chunked_impl, "_intra", counting("split", chunked_impl._intra))
+    monkeypatch.setattr(chunked_impl, "_redo_by_split", recording)
     return seen
 
 
@@ -70,8 +70,8 @@ def chunk_of(step_gates, K=4):
 
 def test_anchor_factors_are_decays_from_the_anchor():
     g = logsigmoid_gates(B=1, T=BT, H=1, K=3).view(1, BT, 3) * 1.5
-    e, from_start, ok = ops._anchor_factors(g)
-    a = ops._ANCHOR
+    e, from_start, ok = chunked_impl._anchor_factors(g)
+    a = chunked_impl._ANCHOR
     G = g.cumsum(-2)  # fine in float64 at this size
     torch.testing.assert_close(e, (G - G[:, a : a + 1]).exp(), rtol=1e-12, atol=0)
     torch.testing.assert_close(from_start, G[:, a : a + 1].exp(), rtol=1e-12, atol=0)
@@ -84,7 +84,7 @@ def test_anchor_factors_round_like_spans():
     # to ~50) or of the chunk's cumulative gates (down to ~-100) as exp of x rounded to fp32 would be
     gen = torch.Generator().manual_seed(6)
     g = -1.3 - 0.3 * torch.rand(8, BT, 16, generator=gen)
-    e, _, ok = ops._anchor_factors(g)
+    e, _, ok = chunked_impl._anchor_factors(g)
     assert ok.all()
     G = g.double().cumsum(-2)
     span = G[:, :, None] - G[:, None]  # [i, j]: the log decay of pair (i, j)
@@ -114,7 +114,7 @@ def test_which_chunks_are_in_range(name):
     steps, ok = RANGE_CASES[name]
     for dtype in (torch.float32, torch.float64):
         g = chunk_of(steps).to(dtype)
-        assert ops._anchor_factors(g)[2].tolist() == [ok], name
+        assert chunked_impl._anchor_factors(g)[2].tolist() == [ok], name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_decays_near_one_far_from_the_anchor(paths):
     # would put 3e-6 into o; built from the blocks' y and fp64 X, it stays within 1e-6 (the split
     # is at ~2e-7)
     t = torch.arange(4 * BT) % BT
-    soft = (t < 4) | (t >= BT - 4) | ((t - ops._ANCHOR).abs() <= 2)
+    soft = (t < 4) | (t >= BT - 4) | ((t - chunked_impl._ANCHOR).abs() <= 2)
     gen = torch.Generator().manual_seed(4)
     strong = -1.9 * (1 + 0.02 * torch.rand(1, 4 * BT, 2, 16, generator=gen, dtype=torch.float64))
     g = torch.where(soft.view(1, -1, 1, 1), -1e-3, strong)
@@ -217,9 +217,9 @@ def test_anchored_intra_matches_the_definition():
     torch.manual_seed(0)
     q, k = torch.randn(2, 3, BT, 5, dtype=torch.float64), torch.randn(2, 3, BT, 5, dtype=torch.float64)
     g = F.logsigmoid(torch.randn(2, 3, BT, 5, dtype=torch.float64)) * 1.5
-    e, from_start, ok = ops._anchor_factors(g)
+    e, from_start, ok = chunked_impl._anchor_factors(g)
     assert ok.all()
-    intra = ops._anchored_intra(q, k, e, from_start)
+    intra = chunked_impl._anchored_intra(q, k, e, from_start)
     gc = g.cumsum(-2)
     span = gc[..., :, None, :] - gc[..., None, :, :]
     causal = torch.ones(BT, BT, dtype=torch.bool).tril()[:, :, None]

@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gla_inductor import ops
+from gla_inductor.impl import chunked as chunked_impl
+from gla_inductor.kernels import chunk as kchunk, recurrent as krecurrent
+from gla_inductor.ops import chunk as chunk_op
 from gla_inductor.ops import chunk_gla
 from gla_inductor.reference import naive_recurrent_gla
 
@@ -218,12 +220,12 @@ def test_vector_gate_partial_blocks(T, reverse):
 def test_split_scores_match_pairwise():
     # the vector-gate A, level by level, against the direct [BT, BT, K] definition
     torch.manual_seed(0)
-    q, k = torch.randn(2, 3, ops.BT, 5, dtype=torch.float64), torch.randn(2, 3, ops.BT, 5, dtype=torch.float64)
-    g = F.logsigmoid(torch.randn(2, 3, ops.BT, 5, dtype=torch.float64)) * 4
-    intra = ops._intra(q, k.clone(), None, g.exp())
+    q, k = torch.randn(2, 3, chunked_impl.BT, 5, dtype=torch.float64), torch.randn(2, 3, chunked_impl.BT, 5, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(2, 3, chunked_impl.BT, 5, dtype=torch.float64)) * 4
+    intra = chunked_impl._intra(q, k.clone(), None, g.exp())
     gc = g.cumsum(-2)
     span = gc[..., :, None, :] - gc[..., None, :, :]  # fine in fp64 at this size
-    causal = torch.ones(ops.BT, ops.BT, dtype=torch.bool).tril()[:, :, None]
+    causal = torch.ones(chunked_impl.BT, chunked_impl.BT, dtype=torch.bool).tril()[:, :, None]
     ref = (q[..., :, None, :] * k[..., None, :, :] * span.exp() * causal).sum(-1)
     torch.testing.assert_close(intra.A, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(intra.qg, q * gc.exp(), rtol=1e-12, atol=1e-12)
@@ -267,23 +269,18 @@ def test_opcheck_chunk_bwd(gate, with_dht):
     torch.library.opcheck(torch.ops.gla_inductor.chunk_bwd.default, (*inputs.values(), do, dht, 0.5, False))
 
 
-def test_cuda_registry_is_ignored_on_cpu():
-    saved = dict(ops._CUDA_IMPL)
+def test_cpu_calls_never_reach_the_kernels(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a GPU kernel launched for CPU tensors")
 
-    def fail(*args):
-        raise AssertionError("CUDA impl used for CPU tensors")
-
-    try:
-        ops.register_cuda_impl(fwd=fail, bwd=fail)
-        ops.register_cuda_impl()  # None keeps the entries
-        assert ops._CUDA_IMPL == {"fwd": fail, "bwd": fail}
-        check_grads(make_inputs("vector", T=3), 1e-10)
-    finally:
-        ops._CUDA_IMPL.update(saved)
+    for module in (kchunk, krecurrent):
+        monkeypatch.setattr(module, "forward", fail)
+    monkeypatch.setattr(kchunk, "backward", fail)
+    check_grads(make_inputs("vector", T=3), 1e-10)
 
 
 # ----------------------------------------------------------------------------------------------
-# eager calls bypass torch.library's dispatch (ops._EagerChunkGLA)
+# eager calls bypass torch.library's dispatch (ops.chunk._EagerChunkGLA)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -294,7 +291,7 @@ def test_eager_calls_bypass_the_ops_with_the_same_results(gate, reverse, monkeyp
     ref_inputs = {n: None if x is None else x.clone() for n, x in inputs.items()}
     o, ht, grads = forward_and_grads(chunk_gla, inputs, reverse=reverse)
     assert type(o.grad_fn).__name__ == "_EagerChunkGLABackward"
-    monkeypatch.setattr(ops, "_eager_fast_path", lambda tensors: False)
+    monkeypatch.setattr(chunk_op, "_eager_fast_path", lambda tensors: False)
     o_ref, ht_ref, grads_ref = forward_and_grads(chunk_gla, ref_inputs, reverse=reverse)
     assert type(o_ref.grad_fn).__name__ != "_EagerChunkGLABackward"
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
@@ -320,7 +317,7 @@ def test_eager_fused_gate_grads_bypass_the_ops(monkeypatch):
 
     o, grads = run()
     assert type(o.grad_fn).__name__ == "_EagerChunkGLABackward"
-    monkeypatch.setattr(ops, "_eager_fast_path", lambda tensors: False)
+    monkeypatch.setattr(chunk_op, "_eager_fast_path", lambda tensors: False)
     o_ref, grads_ref = run()
     assert torch.equal(o, o_ref)
     for got, ref in zip(grads, grads_ref, strict=True):

@@ -1,4 +1,4 @@
-"""The ops' C++ step loops on CPU (gla_inductor/cpu_recurrent.py): the forward's value tiles, layouts
+"""The ops' C++ step loops on CPU (gla_inductor/impl/step_loop.py): the forward's value tiles, layouts
 and threads and the backward's gradients against the float64 loop, that the ops take them on CPU,
 and that they fall back to the chunked PyTorch implementation where they cannot be built.
 tests/ops/test_chunk_op.py and tests/ops/test_bad_input.py run their CPU tests with both (the
@@ -9,7 +9,11 @@ import logging
 import pytest
 import torch
 
-from gla_inductor import config, cpu_recurrent, ops
+from gla_inductor import config
+
+from gla_inductor.impl import chunked as chunked_impl, step_loop
+
+from gla_inductor.ops import chunk as chunk_op
 from gla_inductor.ops import chunk_gla
 
 from helpers import as_float64, check_against_loop, gla_inputs, loop_reference, placed, rel_err
@@ -78,7 +82,7 @@ def test_long_sequence_of_strong_decay():
 @pytest.fixture
 def every_gate_steps_back(monkeypatch):
     """The backward's step loop for every gate kind, not only those the ops send to it."""
-    monkeypatch.setattr(cpu_recurrent, "BACKWARD_GATES", ("vector", "scalar", "constant", "none"))
+    monkeypatch.setattr(step_loop, "BACKWARD_GATES", ("vector", "scalar", "constant", "none"))
 
 
 def check_grads(x, tol=1e-5, **kw):
@@ -106,10 +110,10 @@ def test_expanded_initial_state_and_output_gradients():
     x = make_inputs("vector", B=1, V=3)
     x["initial_state"] = x["initial_state"][:, :, :1, :1].expand_as(x["initial_state"])
     do, dht = torch.ones(1).expand_as(x["v"]), torch.ones(1).expand_as(x["initial_state"])
-    got = ops._chunk_bwd_impl(*(x.get(n) for n in ("q", "k", "v", "g", "g_gamma", "initial_state")), do, dht,
+    got = chunk_op._chunk_bwd_impl(*(x.get(n) for n in ("q", "k", "v", "g", "g_gamma", "initial_state")), do, dht,
                               0.5, False)
     with config.patch(cpu_kernel=False):
-        want = ops._chunk_bwd_impl(*(x.get(n) for n in ("q", "k", "v", "g", "g_gamma", "initial_state")),
+        want = chunk_op._chunk_bwd_impl(*(x.get(n) for n in ("q", "k", "v", "g", "g_gamma", "initial_state")),
                                    do.contiguous(), dht.contiguous(), 0.5, False)
     for a, b in zip(got, want):
         assert a.shape == b.shape and (b.numel() == 0 or rel_err(a, b.double()) <= 1e-5)
@@ -130,19 +134,18 @@ def test_step_loop_grads_bf16():
 
 def test_ops_take_the_step_loop_on_cpu(monkeypatch):
     x = make_inputs("scalar")
-    chunked, real = [], ops._fwd_torch
+    chunked, real, real_bwd = [], chunked_impl.forward, chunked_impl.backward
 
-    def fwd_torch(q, *rest):
-        chunked.append(q.dtype)
-        return real(q, *rest)
+    def fwd_torch(call):
+        chunked.append(call.q.dtype)
+        return real(call)
 
-    def bwd_torch(q, *rest):
-        chunked.append(("bwd", q.dtype))
-        return real_bwd(q, *rest)
+    def bwd_torch(call, do, dht):
+        chunked.append(("bwd", call.q.dtype))
+        return real_bwd(call, do, dht)
 
-    real_bwd = ops._bwd_torch
-    monkeypatch.setattr(ops, "_fwd_torch", fwd_torch)
-    monkeypatch.setattr(ops, "_bwd_torch", bwd_torch)
+    monkeypatch.setattr(chunked_impl, "forward", fwd_torch)
+    monkeypatch.setattr(chunked_impl, "backward", bwd_torch)
 
     def forward_backward(inputs):
         chunk_gla(**placed(inputs, requires_grad=True))[0].sum().backward()
@@ -160,21 +163,21 @@ def test_ops_take_the_step_loop_on_cpu(monkeypatch):
 
 
 def test_compiled_once_per_cache_dir(tmp_path):
-    compiler = cpu_recurrent._compiler()
-    path = cpu_recurrent.compile_library(compiler, tmp_path)
+    compiler = step_loop._compiler()
+    path = step_loop.compile_library(compiler, tmp_path)
     stamp = path.stat().st_mtime_ns
-    assert cpu_recurrent.compile_library(compiler, tmp_path) == path and path.stat().st_mtime_ns == stamp
+    assert step_loop.compile_library(compiler, tmp_path) == path and path.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
 
 
 def test_an_unbuildable_kernel_falls_back_with_a_warning(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="gla_inductor"):
-        assert cpu_recurrent.load("false", tmp_path) is None  # a "compiler" that always fails
-        assert cpu_recurrent.load(None, tmp_path) is None
+        assert step_loop.load("false", tmp_path) is None  # a "compiler" that always fails
+        assert step_loop.load(None, tmp_path) is None
     assert "could not compile" in caplog.text and "no C++ compiler" in caplog.text
     x = make_inputs("vector")
     expected = chunk_gla(**x, output_final_state=True)
-    monkeypatch.setattr(cpu_recurrent, "library", lambda: None)
+    monkeypatch.setattr(step_loop, "library", lambda: None)
     with config.patch(cpu_kernel=False):
         chunked = chunk_gla(**x, output_final_state=True)
     fallback = chunk_gla(**x, output_final_state=True)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import gla_inductor
 from gla_inductor.reference import naive_recurrent_gla
+from gla_inductor.contract import GLACall
 
 from helpers import FP32_TOL, rel_norm_err
 
@@ -86,7 +87,8 @@ def test_ops_match_the_explicit_gate(gate, vector, reverse):
 def test_kernels_match_the_explicit_gate(gate, vector):
     """The Triton kernels' gate function (gla_common's _gla_gate), on CUDA or under the interpreter,
     with a partial last chunk and key/value sizes that are not powers of two."""
-    triton_chunk = pytest.importorskip("gla_inductor.triton_chunk")
+    pytest.importorskip("triton")
+    from gla_inductor.kernels import chunk as kchunk
     import triton
 
     if not ON_GPU and type(triton.language.cumsum).__name__ != "InterpretedFunction":
@@ -100,12 +102,11 @@ def test_kernels_match_the_explicit_gate(gate, vector):
     a, bias = (None if t is None else t.detach() for t in (a, bias))
     g = log_gate(xg.double(), fn, None if a is None else a.double(), None if bias is None else bias.double(),
                  torch.float64)
-    o, ht = triton_chunk.chunk_fwd_triton(q, k, v, xg, None, h0, 0.3, True, False, gate=fn, gate_a=a, gate_bias=bias)
+    o, ht = kchunk.forward(GLACall(q, k, v, xg, None, h0, 0.3, True, False, gate=fn, gate_a=a, gate_bias=bias))
     o64, ht64 = naive_recurrent_gla(q.double(), k.double(), v.double(), g, initial_state=h0.double(), scale=0.3,
                                     output_final_state=True)
     do = torch.randn_like(o)
-    dg = triton_chunk.chunk_bwd_triton(q, k, v, xg, None, h0, do, None, 0.3, False, gate=fn, gate_a=a,
-                                       gate_bias=bias)[3]
+    dg = kchunk.backward(GLACall(q, k, v, xg, None, h0, 0.3, reverse=False, gate=fn, gate_a=a, gate_bias=bias), do, None)[3]
     # logsigmoid: the kernels return x's gradient (GateFn.input_grad); softplus: the log gate's, fp32
     x64 = xg.double().requires_grad_()
     g64 = log_gate(x64, fn, None if a is None else a.double(), None if bias is None else bias.double(),

@@ -1,4 +1,4 @@
-"""The fused recurrent GLA path: the Triton kernel (``gla_inductor.triton_recurrent``), the
+"""The fused recurrent GLA path: the Triton kernel (``gla_inductor.krecurrent``), the
 ``gla_inductor::fused_recurrent`` op (CPU implementation, CUDA dispatch, torch.compile in place),
 ``gla_inductor.fused_recurrent_gla``, and ``chunk_fwd``'s short-sequence routing to the kernel.
 
@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import gla_inductor
-from gla_inductor import cuda_dispatch, decode, triton_chunk
+from gla_inductor.impl import recurrent as impl_recurrent
+from gla_inductor.kernels import chunk as kchunk, configs as kconfigs
+from gla_inductor.ops import dispatch
 
 from helpers import GATES, assert_rel_close, loop_reference
 
@@ -27,7 +29,9 @@ pytest.importorskip("jinja2")
 KERNELS_RUN_HERE = ON_GPU or type(triton.language.cumsum).__name__ == "InterpretedFunction"
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="triton was imported without TRITON_INTERPRET=1")
 
-from gla_inductor import triton_recurrent  # noqa: E402
+from gla_inductor.kernels import recurrent as krecurrent  # noqa: E402
+from gla_inductor.contract import GLACall
+from gla_inductor.ops.dispatch import fused_recurrent as _fused_recurrent_entry
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,9 +152,9 @@ def test_kernel_matches_reference(case: Case):
         ht = torch.full((case.B, case.H, case.K, case.V), float("nan"), dtype=case.ht_dtype, device=DEVICE)
     else:
         ht = None
-    config = None if case.block_v is None else triton_recurrent.RecurrentConfig(block_v=case.block_v, num_warps=2)
+    config = None if case.block_v is None else krecurrent.RecurrentConfig(block_v=case.block_v, num_warps=2)
 
-    o = triton_recurrent.fused_recurrent_triton(q, k, v, g, g_gamma, h0, ht, scale, case.reverse, config=config)
+    o = krecurrent.forward(GLACall(q, k, v, g, g_gamma, h0, scale, reverse=case.reverse), ht, config=config)
 
     assert o.dtype == case.dtype and o.shape == (case.B, case.T, case.H, case.V)
     assert_rel_close("o", o, ref_o, TOL[case.dtype])
@@ -170,7 +174,7 @@ def test_kernel_steep_gates_forget():
     h0 = 100 * torch.randn(B, H, K, V, generator=gen).to(DEVICE)
     for g in (torch.full((B, T, H, K), -20.0, device=DEVICE), torch.full((B, T, H), -20.0, device=DEVICE)):
         state = h0.clone()
-        o = triton_recurrent.fused_recurrent_triton(q, k, v, g, None, state, state, 0.25, False)
+        o = krecurrent.forward(GLACall(q, k, v, g, None, state, 0.25, reverse=False), state)
         assert_rel_close("o", o, (0.25 * (q * k).sum(-1, keepdim=True) * v).double(), 1e-5)
         assert_rel_close("final state", state, (k[:, -1, :, :, None] * v[:, -1, :, None, :]).double(), 1e-5)
 
@@ -181,7 +185,7 @@ def test_kernel_empty_sequence_copies_the_state():
     v = torch.randn(2, 0, 3, 4, device=DEVICE)
     h0 = torch.randn(2, 3, 8, 4, device=DEVICE)
     ht = torch.empty_like(h0)
-    o = triton_recurrent.fused_recurrent_triton(q, k, v, None, None, h0, ht, 1.0, False)
+    o = krecurrent.forward(GLACall(q, k, v, None, None, h0, 1.0, reverse=False), ht)
     assert o.shape == (2, 0, 3, 4)
     assert torch.equal(ht, h0)
 
@@ -189,13 +193,13 @@ def test_kernel_empty_sequence_copies_the_state():
 @needs_kernels
 def test_supports_reports_limits():
     q = torch.randn(1, 1, 2, 16, device=DEVICE)
-    assert triton_recurrent.recurrent_supports(q, q, q) is None
+    assert krecurrent.unsupported_reason(GLACall(q, q, q)) is None
     big_k = torch.randn(1, 1, 2, 320, device=DEVICE)
-    assert "K = 320" in triton_recurrent.recurrent_supports(big_k, big_k, q)
+    assert "K = 320" in krecurrent.unsupported_reason(GLACall(big_k, big_k, q))
     big_v = torch.randn(1, 1, 2, 640, device=DEVICE)
-    assert "V = 640" in triton_recurrent.recurrent_supports(q, q, big_v)
+    assert "V = 640" in krecurrent.unsupported_reason(GLACall(q, q, big_v))
     state64 = torch.zeros(1, 2, 16, 16, dtype=torch.float64, device=DEVICE)
-    assert "state dtype torch.float64" in triton_recurrent.recurrent_supports(q, q, q, state_in=state64)
+    assert "state dtype torch.float64" in krecurrent.unsupported_reason(GLACall(q, q, q, initial_state=state64))
 
 
 def test_default_config_tiles():
@@ -204,7 +208,7 @@ def test_default_config_tiles():
     cpu = torch.device("cpu")
     expected = {(16, 16): (16, 1), (64, 64): (64, 2), (128, 128): (64, 4), (256, 512): (32, 4), (24, 40): (64, 1)}
     for (K, V), (block_v, num_warps) in expected.items():
-        assert triton_recurrent.default_recurrent_config(64, 32, K, V, cpu) == triton_recurrent.RecurrentConfig(
+        assert krecurrent.default_recurrent_config(64, 32, K, V, cpu) == krecurrent.RecurrentConfig(
             block_v=block_v, num_warps=num_warps), (K, V)
 
 
@@ -219,8 +223,8 @@ OP_CASES = [
     Case("scalar", T=2, transposed=True, block_v=None),
     Case("vector", T=7, dtype=torch.float64, h0_dtype=torch.float64, reverse=True, block_v=None),
     # longer than STEP_LOOP_MAX_T: through chunk_fwd
-    Case("vector", T=decode.STEP_LOOP_MAX_T + 3, H=1, K=8, V=8, reverse=True, block_v=None),
-    Case("constant", T=decode.STEP_LOOP_MAX_T + 3, H=1, K=8, V=8, dtype=bf16, h0_dtype=bf16, block_v=None),
+    Case("vector", T=impl_recurrent.STEP_LOOP_MAX_T + 3, H=1, K=8, V=8, reverse=True, block_v=None),
+    Case("constant", T=impl_recurrent.STEP_LOOP_MAX_T + 3, H=1, K=8, V=8, dtype=bf16, h0_dtype=bf16, block_v=None),
 ]
 
 
@@ -273,10 +277,18 @@ def test_op_checks_state_shape():
         torch.ops.gla_inductor.fused_recurrent(q, k, v, g, None, state.mT.contiguous(), 0.3, False)
 
 
-def _cuda_entry(op_name: str, dispatch_fn):
-    """The op on CUDA tensors with a GPU; without one, its CUDA implementation on CPU tensors (the
-    kernels then run under the interpreter)."""
-    return getattr(torch.ops.gla_inductor, op_name) if ON_GPU else dispatch_fn
+def _cuda_entry(op_name: str, gpu_route):
+    """The op on CUDA tensors with a GPU; without one, its GPU route on CPU tensors (the kernels then
+    run under the interpreter), called with the op's arguments."""
+    return getattr(torch.ops.gla_inductor, op_name) if ON_GPU else gpu_route
+
+
+def _fused_recurrent_gpu(q, k, v, g, g_gamma, state, scale, reverse):
+    return dispatch.fused_recurrent_gpu(GLACall(q, k, v, g, g_gamma, state, scale, reverse=reverse), state)
+
+
+def _chunk_fwd_gpu(*args):
+    return dispatch.chunk_fwd_gpu(GLACall.from_op_args(args))
 
 
 @needs_kernels
@@ -285,11 +297,11 @@ def test_cuda_impl_runs_the_kernel_in_place(gate, monkeypatch):
     case = Case(gate, T=2, reverse=gate == "scalar", block_v=None)
     q, k, v, g, g_gamma, state = _make_inputs(case)
     ref_o, ref_ht = _reference(q, k, v, g, g_gamma, state, 0.3, case.reverse)
-    calls = _spy(monkeypatch, triton_recurrent, "fused_recurrent_triton")
-    fused_recurrent = _cuda_entry("fused_recurrent", cuda_dispatch.fused_recurrent_cuda)
+    calls = _spy(monkeypatch, krecurrent, "forward")
+    fused_recurrent = _cuda_entry("fused_recurrent", _fused_recurrent_gpu)
     o = fused_recurrent(q, k, v, g, g_gamma, state, 0.3, case.reverse)
     # in place: the kernel reads and writes the caller's state
-    assert len(calls) == 1 and calls[0][5].data_ptr() == calls[0][6].data_ptr() == state.data_ptr()
+    assert len(calls) == 1 and calls[0][0].initial_state.data_ptr() == calls[0][1].data_ptr() == state.data_ptr()
     assert_rel_close("o", o, ref_o, TOL[fp32])
     assert_rel_close("state", state, ref_ht, TOL[fp32])
 
@@ -298,17 +310,17 @@ def test_cuda_impl_runs_the_kernel_in_place(gate, monkeypatch):
 def test_cuda_impl_falls_back(monkeypatch):
     """Switched off, an unsupported dtype, or a sequence past RECURRENT_MAX_T: no recurrent kernel."""
     q, k, v, g, _, h0 = _make_inputs(Case("vector", T=3))
-    calls = _spy(monkeypatch, triton_recurrent, "fused_recurrent_triton")
-    expected = decode._fused_recurrent_torch(q, k, v, g, None, h0.clone(), 0.3, False)
+    calls = _spy(monkeypatch, krecurrent, "forward")
+    expected = _fused_recurrent_entry(GLACall(q, k, v, g, None, h0.clone(), 0.3, reverse=False), h0.clone())
     with gla_inductor.config.patch(triton_kernels=False):
-        o = cuda_dispatch.fused_recurrent_cuda(q, k, v, g, None, h0.clone(), 0.3, False)
+        o = dispatch.fused_recurrent_gpu(GLACall(q, k, v, g, None, h0.clone(), 0.3, reverse=False), h0.clone())
     assert torch.equal(o, expected)
-    o = cuda_dispatch.fused_recurrent_cuda(q, k, v, g, None, h0.double(), 0.3, False)
+    o = dispatch.fused_recurrent_gpu(GLACall(q, k, v, g, None, h0.double(), 0.3, reverse=False), h0.double())
     assert o.dtype == fp32
     assert_rel_close("o (float64 state)", o, _reference(q, k, v, g, None, h0, 0.3, False)[0], TOL[fp32])
-    monkeypatch.setattr(cuda_dispatch, "RECURRENT_MAX_T", 2)
+    monkeypatch.setattr(dispatch, "RECURRENT_MAX_T", 2)
     state = h0.clone()
-    o = cuda_dispatch.fused_recurrent_cuda(q, k, v, g, None, state, 0.3, False)
+    o = dispatch.fused_recurrent_gpu(GLACall(q, k, v, g, None, state, 0.3, reverse=False), state)
     ref_o, ref_ht = _reference(q, k, v, g, None, h0, 0.3, False)
     assert_rel_close("o (chunked)", o, ref_o, 1e-4)
     assert_rel_close("state (chunked)", state, ref_ht, 1e-4)
@@ -410,10 +422,10 @@ def test_fused_recurrent_gla_errors_name_the_tensor():
 def test_chunk_fwd_short_sequences_run_the_recurrent_kernel(gate, final_state, monkeypatch):
     case = Case(gate, T=7, dtype=bf16, h0_dtype=bf16, reverse=final_state)
     q, k, v, g, g_gamma, h0 = _make_inputs(case)
-    assert cuda_dispatch.routes_to_recurrent(q, k, v, g, g_gamma, h0)
-    recurrent = _spy(monkeypatch, triton_recurrent, "fused_recurrent_triton")
-    chunked = _spy(monkeypatch, triton_chunk, "chunk_fwd_triton")
-    chunk_fwd = _cuda_entry("chunk_fwd", cuda_dispatch.chunk_fwd_cuda)
+    assert dispatch.routes_to_recurrent(GLACall(q, k, v, g, g_gamma, h0))
+    recurrent = _spy(monkeypatch, krecurrent, "forward")
+    chunked = _spy(monkeypatch, kchunk, "forward")
+    chunk_fwd = _cuda_entry("chunk_fwd", _chunk_fwd_gpu)
     o, ht = chunk_fwd(q, k, v, g, g_gamma, h0, 0.3, final_state, case.reverse)
     assert len(recurrent) == 1 and chunked == []
     ref_o, ref_ht = _reference(q, k, v, g, g_gamma, h0, 0.3, case.reverse)
@@ -428,13 +440,13 @@ def test_chunk_fwd_short_sequences_run_the_recurrent_kernel(gate, final_state, m
 
 @needs_kernels
 def test_chunk_fwd_routing_decision(monkeypatch):
-    q = torch.randn(1, cuda_dispatch.RECURRENT_MAX_T, 2, 16, device=DEVICE)
-    longer = torch.randn(1, cuda_dispatch.RECURRENT_MAX_T + 1, 2, 16, device=DEVICE)
-    assert cuda_dispatch.routes_to_recurrent(q, q, q, None, None, None)
-    assert not cuda_dispatch.routes_to_recurrent(longer, longer, longer, None, None, None)
-    assert not cuda_dispatch.routes_to_recurrent(q[:, :0], q[:, :0], q[:, :0], None, None, None)
-    assert not cuda_dispatch.routes_to_recurrent(q.double(), q.double(), q.double(), None, None, None)
+    q = torch.randn(1, dispatch.RECURRENT_MAX_T, 2, 16, device=DEVICE)
+    longer = torch.randn(1, dispatch.RECURRENT_MAX_T + 1, 2, 16, device=DEVICE)
+    assert dispatch.routes_to_recurrent(GLACall(q, q, q, None, None, None))
+    assert not dispatch.routes_to_recurrent(GLACall(longer, longer, longer, None, None, None))
+    assert not dispatch.routes_to_recurrent(GLACall(q[:, :0], q[:, :0], q[:, :0], None, None, None))
+    assert not dispatch.routes_to_recurrent(GLACall(q.double(), q.double(), q.double(), None, None, None))
     with gla_inductor.config.patch(triton_gates=("vector",)):
-        assert not cuda_dispatch.routes_to_recurrent(q, q, q, None, None, None)
-    monkeypatch.setattr(cuda_dispatch, "RECURRENT_MAX_T", 0)
-    assert not cuda_dispatch.routes_to_recurrent(q[:, :1], q[:, :1], q[:, :1], None, None, None)
+        assert not dispatch.routes_to_recurrent(GLACall(q, q, q, None, None, None))
+    monkeypatch.setattr(dispatch, "RECURRENT_MAX_T", 0)
+    assert not dispatch.routes_to_recurrent(GLACall(q[:, :1], q[:, :1], q[:, :1], None, None, None))

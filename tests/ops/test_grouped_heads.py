@@ -17,10 +17,13 @@ import torch
 from torch._dynamo.utils import counters
 
 import gla_inductor
-from gla_inductor import ops, triton_chunk
+from gla_inductor.impl import chunked as chunked_impl
+from gla_inductor.kernels import chunk as kchunk, configs as kconfigs
+from gla_inductor.ops import dispatch
 from gla_inductor.backend import rewrite
 from gla_inductor.recognize import chunked
 from gla_inductor.reference import naive_recurrent_gla
+from gla_inductor.contract import GLACall
 from helpers import GATES, as_float64, gla_inputs, loop_reference_grads, placed, rel_norm_err
 from spellings import chunked_hf_einsum
 
@@ -80,19 +83,17 @@ def on_kernels(monkeypatch):
     chosen = {}
 
     def config(q, v, g):
-        cfg = triton_chunk.default_config(B, T, H, K, V, q.dtype, g is not None and g.dim() == 4, q.device)
+        cfg = kconfigs.default_config(B, T, H, K, V, q.dtype, g is not None and g.dim() == 4, q.device)
         return dataclasses.replace(cfg, block_t=16, **chosen)
 
-    def fwd(q, k, v, g, *args, **gate):
-        return triton_chunk.chunk_fwd_triton(q, k, v, g, *args, config=config(q, v, g), **gate)
+    def fwd(call):
+        return kchunk.forward(call, config=config(call.q, call.v, call.g))
 
-    def bwd(q, k, v, g, *args, **gate):
-        return triton_chunk.chunk_bwd_triton(q, k, v, g, *args, config=config(q, v, g), **gate)
+    def bwd(call, do, dht):
+        return kchunk.backward(call, do, dht, config=config(call.q, call.v, call.g))
 
-    monkeypatch.setattr(ops, "_fwd_torch", fwd)
-    monkeypatch.setattr(ops, "_bwd_torch", bwd)
-    monkeypatch.setitem(ops._CUDA_IMPL, "fwd", fwd)
-    monkeypatch.setitem(ops._CUDA_IMPL, "bwd", bwd)
+    monkeypatch.setattr(dispatch, "chunk_fwd", fwd)
+    monkeypatch.setattr(dispatch, "chunk_bwd", bwd)
     return lambda **schedule: chosen.update(schedule)
 
 
@@ -130,12 +131,12 @@ def test_triton_other_schedules(schedule, on_kernels):
 @needs_kernels
 def test_recurrent_kernel():
     """The fused recurrent kernel (short sequences on CUDA) reads shared q and k as well."""
-    from gla_inductor.triton_recurrent import fused_recurrent_triton
+    from gla_inductor.kernels import recurrent as krecurrent
 
     x = make(2, "scalar", requires_grad=False)
     x = dict(x, q=x["q"][:, :5], k=x["k"][:, :5], v=x["v"][:, :5], g=x["g"][:, :5])
     ht = torch.empty(B, H, K, V, device=DEVICE)
-    o = fused_recurrent_triton(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], ht, 0.3, False)
+    o = krecurrent.forward(GLACall(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], 0.3, reverse=False), ht)
     want_o, want_ht = naive_recurrent_gla(*(x[n].double() for n in ("q", "k", "v", "g")), scale=0.3,
                                           initial_state=x["initial_state"].double(), output_final_state=True)
     assert rel_norm_err(o, want_o) < 1e-5 and rel_norm_err(ht, want_ht) < 1e-5

@@ -6,8 +6,11 @@ import threading
 import pytest
 import torch
 
-from gla_inductor import config, scratch
-from gla_inductor.ops import BT, chunk_gla
+from gla_inductor import config
+
+from gla_inductor.impl import scratch
+from gla_inductor.impl.chunked import BT
+from gla_inductor.ops import chunk_gla
 
 from helpers import gla_inputs, loop_reference, placed
 

@@ -6,7 +6,7 @@
 // and two fused multiply-adds (5 flops) on a state that stays in L1, with no intermediates; the
 // chunked form's matmuls do 8 per state element and step at K = V = 64 and chunks of 64, and
 // reach matmul speed only on large tiles. ops.py calls it through ctypes
-// (gla_inductor/cpu_recurrent.py compiles it on first use) and keeps the chunked PyTorch
+// (gla_inductor/impl/step_loop.py compiles it on first use) and keeps the chunked PyTorch
 // implementation for fp64 and for machines without a C++ compiler.
 //
 // Work is split into units of (batch, head, tile of up to 32 values): a unit walks all T steps
