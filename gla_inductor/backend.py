@@ -16,8 +16,8 @@ from torch._dynamo.utils import counters
 from . import config, ops  # noqa: F401  (ops: defines chunk_fwd)
 from .cache_key import keyed
 from .recognize import RewriteResult, rewrite_graph
-from .recognize.gate import CHUNK_FWD_TARGETS, fuse_gates
-from .recognize.match import NearMiss
+from .recognize.core.match import NearMiss
+from .recognize.gate import chunk_fwd_targets, fuse_gates
 
 log = logging.getLogger("gla_inductor")
 
@@ -70,7 +70,7 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> Rew
 def _fuse_gates(gm: torch.fx.GraphModule) -> int:
     """Gate fusion (recognize/gate.py) on the rewritten graph; on any internal error the graph
     goes back to how the GLA rewrite left it."""
-    if not config.fuse_gates or not any(n.target in CHUNK_FWD_TARGETS for n in gm.graph.nodes):
+    if not config.fuse_gates or not any(n.target in chunk_fwd_targets() for n in gm.graph.nodes):
         return 0
     backup = _copy(gm)
     try:

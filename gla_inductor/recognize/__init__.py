@@ -1,8 +1,27 @@
-"""The rewrite pipeline on a Dynamo graph: analyze -> recognize -> replace -> clean.
+"""Recognition of naive GLA in a Dynamo graph, as a pipeline of stages:
+
+    analyze   core.analyzer.Analyzer     the normal form of every node, memory facts
+    recognize forms.*.recognize          each form's proven instances (Match) and near misses
+    replace   Match.apply                the GLA op (core.emit), through a core.emit.Transaction
+    clean     core.clean                 the nodes the replacement left unused
 
 Analysis only reads the graph. Replacement goes through a `Transaction` that records every
 node it inserts and every input it re-points, so a failure is undone exactly and the graph
-compiles as if the pass were off.
+compiles as if the pass were off. Gate fusion (``gate.py``) runs after, on the rewritten graph.
+
+The package's imports point one way, down this list:
+
+    __init__, gate.py   the pipeline and gate fusion
+    forms/              one module per form (loop, decode, parallel, chunked, chunk loop) and
+                        their parts (steps, step walks, periodic proofs, decay exponents, the
+                        intra-chunk monomial, a chunked candidate's reading, grouped heads)
+    certify/            the float64 certificate of chunked candidates: the subgraph, the
+                        replacement it is compared with (spec), its reduction (shrink)
+    core/               the normal form (algebra, rules, analyzer), the graph's memory facts,
+                        constants, matches, placement and emission of the op
+
+Forms sit above the certificate because the chunked forms use it, and the certificate above
+core because it runs the emission of a candidate (``certify/spec.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +34,11 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from . import chunked, loop, parallel
-from .algebra import Analyzer, op_name
-from .consts import is_inplace
-from .emit import Transaction
-from .match import NearMiss
+from .core.analyzer import Analyzer
+from .core.clean import dead_code_elimination
+from .core.emit import Transaction
+from .core.match import NearMiss
+from .forms import chunked, decode, loop, parallel
 
 log = logging.getLogger("gla_inductor")
 
@@ -28,7 +47,7 @@ log = logging.getLogger("gla_inductor")
 RECOGNIZERS = {
     "chunked": chunked.recognize,
     "loop": loop.recognize,
-    "decode": loop.recognize_decode,
+    "decode": decode.recognize,
     "parallel": parallel.recognize,
 }
 
@@ -113,14 +132,3 @@ def _merge(near: list) -> list:
         else:
             merged[key] = NearMiss(nm.form, nm.reason, list(nm.nodes))
     return list(merged.values())
-
-
-def dead_code_elimination(graph: fx.Graph) -> None:
-    """Drop unused pure nodes. fx's own DCE treats every call_method as pure, which would
-    drop a user's in-place `cache.copy_(...)`; here in-place ops are always kept."""
-    for node in reversed(list(graph.nodes)):
-        if node.users or node.op not in ("call_function", "call_method") or is_inplace(node):
-            continue
-        if node.op == "call_function" and op_name(node) is None and node.is_impure():
-            continue
-        graph.erase_node(node)

@@ -12,7 +12,7 @@ loop's per-step gate lifted to the whole sequence has them) to one of
 (c, lo, hi Python numbers; softplus with beta 1 and threshold 20; a and bias broadcast along the
 head axis only, or along head and key for the bias of a vector gate) and passes x, re-laid out as
 the gate was, with the function's constants. The gate tensor then dies: no gate of x's size is
-written, and autograd of the op returns the gradients of x, a and bias (``ops._chunk_fwd_backward``).
+written, and autograd of the op returns the gradients of x, a and bias.
 
 Fused only when the gate is read by nothing else (it would be materialized anyway). A candidate that
 does not match exactly is left as it is.
@@ -29,17 +29,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import ops  # noqa: F401  (defines the op this pass rewrites)
+from ..contract import GLACall
 from ..gates import GateFn
-from .algebra import op_name
+from .core.clean import dead_code_elimination
+from .core.consts import example_value
+from .core.op_names import op_name
 
 log = logging.getLogger("gla_inductor")
-
-_CHUNK_FWD = torch.ops.gla_inductor.chunk_fwd.default
-# the recognizers emit the overload, Dynamo records user code's calls as the packet
-CHUNK_FWD_TARGETS = (_CHUNK_FWD, torch.ops.gla_inductor.chunk_fwd)
-_N_PLAIN_ARGS = 9  # chunk_fwd's arguments before the fused gate's
-_UNFUSED = ("", 1.0, None, None, None, None)  # the fused gate's arguments' defaults
 
 _LOGSIGMOID = {F.logsigmoid, torch._C._nn.log_sigmoid}
 _SIGMOID = {torch.sigmoid, F.sigmoid, torch.special.expit}
@@ -72,11 +68,20 @@ class _Fusion:
     bias: Optional[fx.Node] = None
 
 
+def chunk_fwd_targets() -> tuple:
+    """The targets of the op this pass rewrites: the recognizers emit the overload, Dynamo
+    records user code's calls as the packet. (Looked up when used: the op is registered by
+    the ops package, which the backend imports before it runs this pass.)"""
+    packet = torch.ops.gla_inductor.chunk_fwd
+    return packet.default, packet
+
+
 def fuse_gates(gm: fx.GraphModule) -> int:
     """Fuse every gate function this module recognizes into its GLA op; returns how many."""
     plans = []
+    targets = chunk_fwd_targets()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in CHUNK_FWD_TARGETS:
+        if node.op == "call_function" and node.target in targets:
             plan = _plan(node)
             if plan is not None:
                 plans.append(plan)
@@ -84,8 +89,6 @@ def fuse_gates(gm: fx.GraphModule) -> int:
         _apply(gm.graph, plan)
     if plans:
         # not fx's DCE, which drops a user's in-place cache.copy_(...) as unused
-        from . import dead_code_elimination
-
         dead_code_elimination(gm.graph)
         gm.recompile()
     return len(plans)
@@ -101,19 +104,21 @@ def _val(node) -> Optional[torch.Tensor]:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _plain_args(op: fx.Node) -> Optional[list]:
-    """chunk_fwd's first arguments, if the call has no fused gate (and no keywords)."""
-    if op.kwargs or len(op.args) < _N_PLAIN_ARGS:
+def _unfused_call(op: fx.Node) -> Optional[GLACall]:
+    """The call chunk_fwd node `op` makes, if it has no fused gate. A call with a number computed
+    in the graph (user code's scale and gate_scale under dynamic shapes) is left as it is: its
+    arguments are rewritten as Python numbers."""
+    if any(isinstance(example_value(x), (int, float, torch.SymInt, torch.SymFloat)) for x in op.all_input_nodes):
         return None
-    rest = op.args[_N_PLAIN_ARGS:]
-    if any(a is not d and a != d for a, d in zip(rest, _UNFUSED)):
+    call = GLACall.from_op_args(op.args, op.kwargs)
+    if call.gate != GateFn() or call.gate_a is not None or call.gate_bias is not None:
         return None
-    return list(op.args[:_N_PLAIN_ARGS])
+    return call
 
 
 def _plan(op: fx.Node) -> Optional[_Fusion]:
-    args = _plain_args(op)
-    g = args[3] if args is not None else None
+    call = _unfused_call(op)
+    g = call.g if call is not None else None
     if not isinstance(g, fx.Node) or _val(g) is None:
         return None  # already fused, or a call we do not know
     chain = _chain(g)
@@ -387,16 +392,16 @@ def _per_head_ok(f: _Fusion, gdim: int) -> bool:
 
 def _apply(graph: fx.Graph, f: _Fusion) -> None:
     op = f.op
-    g_shape = list(_val(op.args[3]).shape)
+    call = _unfused_call(op)
+    g_shape = list(_val(call.g).shape)
     with graph.inserting_before(op):
         x = _replay(graph, f.x, f.chain, f.fn)
         a = bias = None
         if f.fn.name == "softplus":
             a = _per_head(graph, f.a, f.chain, g_shape[2:3])
             bias = _per_head(graph, f.bias, f.chain, g_shape[2:])
-        args = _plain_args(op)
-        args[3] = x
-        new = graph.call_function(_CHUNK_FWD, tuple(args) + (f.fn.name, f.fn.scale, f.fn.lo, f.fn.hi, a, bias))
+        fused = call.replace(g=x, gate=f.fn, gate_a=a, gate_bias=bias)
+        new = graph.call_function(torch.ops.gla_inductor.chunk_fwd.default, fused.op_args())
     new.meta = dict(op.meta)
     op.replace_all_uses_with(new)
     graph.erase_node(op)

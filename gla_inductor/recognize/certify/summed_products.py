@@ -20,7 +20,7 @@ import torch.fx as fx
 _MULS = {operator.mul, torch.mul}
 
 
-def summed_product(n: fx.Node) -> bool:
+def is_summed_product(n: fx.Node) -> bool:
     """Whether `n` multiplies two tensors and its only reader sums the product (no dtype given)."""
     if not _is_mul(n) or len(n.users) != 1:
         return False
@@ -31,7 +31,7 @@ def summed_product(n: fx.Node) -> bool:
 def fuse(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace every sum of a summed product in `gm` by one `sum_of_product` call."""
     for n in list(gm.graph.nodes):
-        if summed_product(n):
+        if is_summed_product(n):
             (user,) = n.users
             dim, keepdim = _sum_args(user)
             with gm.graph.inserting_before(user):

@@ -1,6 +1,6 @@
 """The chunked form's certificate at fewer batches and heads.
 
-The certificate (``chunked.certify``) runs the user's subgraph F and the replacement R in
+The certificate (``certificate.certify``) runs the user's subgraph F and the replacement R in
 float64 on random inputs. At model sizes F materializes [b, c, l, l, h] and larger tensors:
 gigabytes in float64. Here F is rebuilt with KEEP batches and KEEP heads, when it is *proven*
 to treat every (batch, head) slice alike, and the certificate runs on that.
@@ -41,7 +41,7 @@ f and r are exponential polynomials of one slice's inputs, so agreement of the r
 R at random inputs (KEEP x KEEP slices, two seeds) gives f = r by the certificate's own
 argument, hence F = R at full size. KEEP is 2, not 1: a slip in the table that let slices mix
 would then show as a disagreement. A role of size KEEP or less is not reduced (nor tagged).
-On a refusal, `chunked` certifies at full size within its memory budget, or not at all.
+On a refusal, the certificate runs at full size within its memory budget, or not at all.
 
 Groups (Mamba2's B and C shared by groups of heads) are repeated over heads before the leaves
 of the chunked form (a leaf's axis is one role), so they do not occur inside F and no
@@ -59,7 +59,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .consts import example_value
+from ..core.consts import example_value
 
 KEEP = 2  # slices kept along each reduced axis: two, so that mixing them would be seen
 ROLES = "bh"  # the roles reduced: batch and heads
@@ -85,7 +85,7 @@ class _Free:
 
 @dataclass
 class Reduction:
-    """F at reduced sizes: what `chunked` needs to build and run it."""
+    """F at reduced sizes: what the certificate needs to build and run it."""
 
     sizes: dict  # the spec's role sizes, reduced
     shapes: dict  # leaf role -> reduced shape

@@ -1,18 +1,18 @@
 """Long unrolled loops, proven without a normal form per step.
 
-Dynamo unrolls a loop of T steps into T copies of its body, and the normal form of a node
-(``algebra.py``) costs about 0.1 ms: at T = 1024 most of the recognition time. Yet the copies
-differ only in the time index of their slices. Here step i is read as a *window*: the nodes
-computed after the previous state S_{i-1} that its new state S_i and its output's element
-read, with S_{i-1} as a hole, the tensors computed before it as inputs (by value number),
-and the fixed indices of slices of those inputs as parameters; everything else (ops,
-arguments, the number of users where the algebra's cuts look at it) is structure.
+Dynamo unrolls a loop of T steps into T copies of its body, and computing the normal form
+(``core/analyzer.py``) of every node of a long loop is most of the recognition time. Yet the
+copies differ only in the time index of their slices. Here step i is read as a *window*:
+the nodes computed after the previous state S_{i-1} that its new state S_i and its output's
+element read, with S_{i-1} as a hole, the tensors computed before it as inputs (by value
+number), and the fixed indices of slices of those inputs as parameters; everything else
+(ops, arguments, the number of users where the algebra's cuts look at it) is structure.
 
 ``find`` proves, for a chain of states found by shape alone (``_chains``), that the windows
 of steps 1 to n - 1 have one structure and that their parameters are step 1's with the time
 indices moved on by one per step (forwards or backwards). Each window reads its hole whole
 (a sum or a product with another tensor, where the algebra cuts S_{i-1} to one atom), so a
-step's normal form depends on the previous one only through its axes; ``loop.find_steps``
+step's normal form depends on the previous one only through its axes; ``steps.find_steps``
 parses the head and steps 1 and 2 and checks their axes alike. By induction every later
 step's normal form is step 2's with the parameters substituted, and so are its parse as a
 GLA step, its read, and every check the loop recognizer makes of a step
@@ -34,8 +34,10 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .algebra import Analyzer, is_pointwise, op_name
-from .consts import example_value
+from ..core.analyzer import Analyzer
+from ..core.consts import example_value
+from ..core.op_names import is_pointwise, op_name
+from ..core.rules import RULES
 
 MIN_STEPS = 8  # shorter loops gain little: every step is parsed
 MAX_READ_DEPTH = 6  # users between a state and the assembled element that reads it
@@ -54,11 +56,11 @@ class Window:
 class Proof:
     states: list  # the chain S_0 .. S_{n-1} (S_0 is the head)
     elements: list  # the assembled element that reads each state
-    assembly: object  # loop.Assembly holding exactly those elements
+    assembly: object  # core.assembly.Assembly holding exactly those elements
     interior: range  # the positions taken from step 1 (3 .. n - 1)
     nodes: set = field(default_factory=set)  # the interior windows' nodes: never parsed
     sample: list = field(default_factory=list)  # the nodes of steps 1 and 2's windows
-    failed: bool = False  # set by loop.find_steps when step 1 or 2 does not parse as expected
+    failed: bool = False  # set by steps.find_steps when step 1 or 2 does not parse as expected
 
     analyzed = (0, 1, 2)  # the positions the loop recognizer parses
 
@@ -172,7 +174,7 @@ def _prove(an: Analyzer, states: list, outputs: list) -> Optional[Proof]:
 def _inert(n: fx.Node) -> bool:
     """A consumer whose own value the algebra takes without reading its inputs' (an output,
     a stack or a buffer write: no rule of the algebra, not elementwise)."""
-    return n.op == "output" or getattr(Analyzer, f"_op_{op_name(n)}", None) is None and not is_pointwise(n)
+    return n.op == "output" or op_name(n) not in RULES and not is_pointwise(n)
 
 
 def _elements_of(states: list, outputs: list) -> list:
@@ -281,7 +283,7 @@ def _token(an: Analyzer, n: fx.Node, index: dict, prev: fx.Node, params: list) -
 def _reads_whole(n: fx.Node) -> bool:
     """n reads the previous state (a sum) as one atom: a sum, or a product with another
     tensor (the algebra cuts a sum there). Then a step's normal form sees of the previous
-    one only its axes (loop.find_steps compares them), not its terms."""
+    one only its axes (steps.find_steps compares them), not its terms."""
     if op_name(n) in ("add", "sub"):
         return True
     tensors = [x for x in n.args if isinstance(x, fx.Node)]

@@ -17,7 +17,6 @@ and nothing needs gradients, the pair ``chunk_fwd`` + ``copy_`` becomes one in-p
 
 from __future__ import annotations
 
-import importlib
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -25,9 +24,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .algebra import Analyzer, op_name
+from ...contract import GLACall
+from .analyzer import Analyzer
 from .consts import example_value
+from .emit import Emitter, emit_op, fused_recurrent_op
 from .match import Reject
+from .op_names import op_name
 
 
 @dataclass
@@ -194,22 +196,11 @@ def _reads(an: Analyzer, node: fx.Node, target: fx.Node) -> bool:
     return any(an.key(x) == k for x in node.all_input_nodes)
 
 
-def fused_recurrent_op():
-    """The in-place decode op of gla_inductor.decode, or None where it is not available."""
-    try:
-        importlib.import_module("gla_inductor.decode")  # registers the op
-    except Exception:  # noqa: BLE001 - any import failure means: not available
-        return None
-    if not hasattr(torch.ops.gla_inductor, "fused_recurrent"):
-        return None
-    return torch.ops.gla_inductor.fused_recurrent.default
-
-
-def emit_fused(em, x, wb: WriteBack, state_groups: list, scale: float, reverse: bool) -> fx.Node:
+def emit_fused(em: Emitter, call: GLACall, wb: WriteBack, state_groups: list) -> fx.Node:
     """o of fused_recurrent on the cache itself (a permuted view of it); the user's write-back
     is dropped: the op leaves the final state in the cache."""
     state = em.relayout(wb.target, state_groups, "bhkv")
-    o = em.call(fused_recurrent_op(), x.q, x.k, x.v, x.g, x.g_gamma, state, float(scale), reverse)
+    o = emit_op(em, call, in_place_state=state)
     em.txn.erase.append(wb.node)
     return o
 

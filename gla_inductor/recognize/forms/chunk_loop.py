@@ -3,11 +3,11 @@ state S across chunks; each chunk's output is its intra-chunk attention under a 
 plus the read of S, and the outputs are assembled (list + cat or stack, or written into a
 buffer). FLA's naive chunk references, RetNet's chunkwise retention, and the like.
 
-The chunks' outputs are found as intra-chunk monomials (``chunked.py``) that an assembly
+The chunks' outputs are found as intra-chunk monomials (``intra_chunk.py``) that an assembly
 collects; q, k and v are the tensors all chunks slice theirs from; the whole loop, from those
 tensors to the assembled output and the last state, is then certified like any chunked
-computation (``chunked.certify``), so the chunk boundaries, a partial last chunk, the order of
-the outputs and the decay are all checked at once, by value.
+computation (``chunk_candidate.complete``), so the chunk boundaries, a partial last chunk, the
+order of the outputs and the decay are all checked at once, by value.
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import chunked
-from .algebra import _VIEW_OPS, Analyzer, op_name
-from .consts import example_value
-from .emit import LFactor
-from .loop import find_outputs
-from .match import Match, Reject
+from ..certify.certificate import CertificateTooLarge, first_too_large
+from ..certify.spec import Spec
+from ..core.analyzer import Analyzer
+from ..core.assembly import find_outputs
+from ..core.consts import example_value
+from ..core.emit import LFactor
+from ..core.match import Match, Reject
+from ..core.op_names import VIEW_OPS, op_name
+from .chunk_candidate import MAX_CANDIDATES, complete, letterings, match_of
+from .intra_chunk import role_sizes
 
 MAX_SOURCE_DEPTH = 6  # views between a chunk's slice and the tensor it is cut from
 
@@ -40,18 +44,18 @@ def find(an: Analyzer, seeds: dict) -> list:
 def analyze(an: Analyzer, asm, elems: list) -> Match:
     """elems: (node, term, roles) per chunk read as a monomial, in assembly order."""
     _, term, r = elems[0]
-    sizes = chunked._sizes(an, r)
+    sizes = role_sizes(an, r)
     sources = {role: _source(an, [getattr(e[2], role).atom.node for e in elems]) for role in "qkv"}
     sizes["t"] = _length(sources["q"][0], sizes)
     out = _output(an, asm)
     too_large = None
     for q, k, v in _leaf_options(sources, sizes):
-        for out_letters in chunked._letterings(tuple(example_value(out).shape), "bthv", sizes):
-            base = chunked.Spec(q, k, v, None, "none", None, [], out, list(out_letters), None, [], term[0], sizes)
+        for out_letters in letterings(tuple(example_value(out).shape), "bthv", sizes):
+            base = Spec(q, k, v, None, "none", None, [], out, list(out_letters), None, [], term[0], sizes)
             try:
-                return chunked._match(an, chunked._complete(an, base))
-            except chunked.CertificateTooLarge as e:
-                too_large = chunked.first_too_large(too_large, e)
+                return match_of(an, complete(an, base))
+            except CertificateTooLarge as e:
+                too_large = first_too_large(too_large, e)
             except Reject:
                 continue
     raise too_large or Reject("no reading of the chunk loop as GLA was certified")
@@ -92,13 +96,14 @@ def _ancestors(node: fx.Node) -> list:
     res = [node]
     for _ in range(MAX_SOURCE_DEPTH):
         x = res[-1]
-        if not (op_name(x) in _VIEW_OPS or _is_split(x)) or not x.args or not isinstance(x.args[0], fx.Node):
+        if not (op_name(x) in VIEW_OPS or _is_split(x)) or not x.args or not isinstance(x.args[0], fx.Node):
             break
         res.append(x.args[0])
     return res
 
 
 def _is_split(n: fx.Node) -> bool:
+    """x.split(...) or torch's x.chunk(...) (an op of that name): pieces the loop may slice."""
     return n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) in ("split", "chunk")
 
 
@@ -110,7 +115,7 @@ def _leaf_options(sources: dict, sizes: dict):
             LFactor(n, ls)
             for n in sources[role]
             if isinstance(example_value(n), torch.Tensor)
-            for ls in chunked._letterings(tuple(example_value(n).shape), "bht" + d, sizes)
+            for ls in letterings(tuple(example_value(n).shape), "bht" + d, sizes)
         ]
         if not options[role]:
             raise Reject(f"no tensor the chunks cut their {role} from reads as [B, T, H, D]")
@@ -119,6 +124,6 @@ def _leaf_options(sources: dict, sizes: dict):
         for k in options["k"]:
             for v in options["v"]:
                 n += 1
-                if n > chunked.MAX_CANDIDATES:
+                if n > MAX_CANDIDATES:
                     return
                 yield q, k, v

@@ -169,7 +169,7 @@ def freeze(x, canon: dict):
     return x
 
 
-def _hint(x):
+def size_hint(x):
     """A concrete Python value for a possibly symbolic one."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         node = x.node
@@ -252,7 +252,7 @@ class ConstAnalysis:
         if isinstance(x, fx.Node):
             if x.op == "placeholder":
                 val = example_value(x)
-                return _ShapeOnly(val) if isinstance(val, torch.Tensor) else _hint(val)
+                return _ShapeOnly(val) if isinstance(val, torch.Tensor) else size_hint(val)
             if x.op != "get_attr" and not self.is_const(x) and not (x in self._values):
                 # Only the shape/device/dtype of a non-const tensor is ever read.
                 return _ShapeOnly(example_value(x))
@@ -263,7 +263,7 @@ class ConstAnalysis:
             return {k: self._arg(v) for k, v in x.items()}
         if isinstance(x, torch.device):
             return torch.device("cpu")
-        return _hint(x)
+        return size_hint(x)
 
     def _run(self, n: fx.Node):
         if n.op == "get_attr":
@@ -313,7 +313,7 @@ class _ShapeOnly:
         self.val = val
 
     def shape(self):
-        return tuple(_hint(s) for s in self.val.shape)
+        return tuple(size_hint(s) for s in self.val.shape)
 
     def call(self, name, args, kwargs):
         if name == "size":

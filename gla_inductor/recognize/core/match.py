@@ -14,7 +14,7 @@ class Reject(Exception):
 
 @dataclass
 class Match:
-    form: str  # "loop" | "parallel"
+    form: str  # "chunked" | "loop" | "decode" | "parallel"
     gate: str  # "vector" | "scalar" | "constant" | "none"
     layout: str  # the user's layout of q, in role letters, e.g. "bthk" or "bhtk"
     shapes: dict  # B, T, H, K, V

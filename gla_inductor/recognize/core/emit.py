@@ -12,18 +12,23 @@ A role whose axis the user's code merged from parts (heads from groups x repeats
 *split*: ``splits["h"] == "AB"`` names its parts with upper-case sub-letters. A factor that
 carries only some parts (the per-group B of Mamba2) is broadcast over the others, and the
 parts are merged back into the role's axis by one reshape.
+
+Every recognizer describes the op it inserts as a ``GLACall`` of graph nodes
+(``gla_inductor.contract``), and ``emit_op`` turns it into the op call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import operator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
+from ...contract import GLACall
 from .consts import example_value
+from .match import Reject
 
 
 class EmitError(Exception):
@@ -100,7 +105,7 @@ class Emitter:
         self.anchor = anchor
         self.sizes = sizes  # role letter -> int or (node, axis) that holds that size
         self.splits = splits or {}  # role letter -> its sub-letters, for merged roles
-        self.fake_mode = _fake_mode(self.graph)
+        self.fake_mode = fake_mode(self.graph)
         self.memo: dict = {}  # nodes emitted once for several uses (a lifted per-step tensor)
 
     def call(self, target, *args, op: str = "call_function", **kwargs) -> fx.Node:
@@ -195,6 +200,13 @@ class Emitter:
             sizes.append(self.size(c) if full or set(subs) & present else 1)
         return self.call("reshape", node, *sizes, op="call_method")
 
+    def cast_like(self, node: fx.Node, like: fx.Node) -> fx.Node:
+        """node in the dtype of `like` (node itself when it has it)."""
+        want = example_value(like).dtype
+        if example_value(node).dtype != want:
+            node = self.call("to", node, want, op="call_method")
+        return node
+
     def as_float32(self, node: fx.Node) -> fx.Node:
         if example_value(node).dtype != torch.float32:
             node = self.call("float", node, op="call_method")
@@ -263,7 +275,45 @@ class Emitter:
         return node
 
 
-def _fake_mode(graph: fx.Graph):
+def lfactor(node: fx.Node, select: tuple, per_axis: list, lifted=None, shape=None) -> LFactor:
+    """An LFactor of `node` with `select` fixed first, given (letters, sizes) per axis left:
+    an axis that carries several letters (roles the code merged) is unflattened into one per
+    letter, of the sizes given. `shape`: the node's shape, where it is not its example's."""
+    letters = "".join(ls for ls, _ in per_axis)
+    if all(len(ls) == 1 for ls, _ in per_axis):
+        return LFactor(node, letters, select, lifted=lifted)
+    shape = example_value(node).shape if shape is None else shape
+    axes = [a for a in range(len(shape)) if a not in {a for a, _ in select}]
+    sizes = []
+    for a, (ls, sz) in zip(axes, per_axis):
+        sizes += [shape[a]] if len(ls) == 1 else list(sz)
+    if not all(isinstance(s, int) for s in sizes):
+        raise Reject("an input's merged axis has a symbolic size")
+    return LFactor(node, letters, select, tuple(sizes), lifted)
+
+
+# ---- the GLA op ------------------------------------------------------------------------------
+def emit_op(em: Emitter, call: GLACall, in_place_state: Optional[fx.Node] = None) -> fx.Node:
+    """The GLA op for `call`, a GLACall of graph nodes, inserted by `em`: ``chunk_fwd``, whose
+    value is (o, final state); or, given the state it updates in place (the cache a decode step
+    reads and writes back, as [B, H, K, V]), ``fused_recurrent``, whose value is o."""
+    if in_place_state is not None:
+        return em.call(fused_recurrent_op(), *call.recurrent_op_args(in_place_state))
+    return em.call(torch.ops.gla_inductor.chunk_fwd.default, *call.op_args())
+
+
+def drop_final_state(op: fx.Node, call: GLACall) -> None:
+    """Rewrite `op`, emitted for `call`, not to store the final state (nothing reads it)."""
+    op.args = call.replace(output_final_state=False).op_args()
+
+
+def fused_recurrent_op():
+    """The in-place recurrent op, or None where it is not registered."""
+    ops = torch.ops.gla_inductor
+    return ops.fused_recurrent.default if hasattr(ops, "fused_recurrent") else None
+
+
+def fake_mode(graph: fx.Graph):
     """The fake mode of the graph's own example values (Dynamo's), so new values mix."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

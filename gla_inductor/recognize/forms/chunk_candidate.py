@@ -1,0 +1,171 @@
+"""A chunked computation read as GLA, given its q, k, v with role letters and its output: the
+gate, initial state and final state, found by shape among the data it reads and the values it
+computes, in the first reading that the certificate proves (``complete``); then the ``Match``
+that inserts the op (``match_of``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import torch
+
+from ..certify.certificate import CertificateTooLarge, certify, first_too_large
+from ..certify.probe import fitted_gamma
+from ..certify.spec import Spec, emit_replacement
+from ..certify.subgraph import is_analytic, subgraph
+from ..core import placement
+from ..core.analyzer import Analyzer
+from ..core.consts import example_value, is_inplace, written_args
+from ..core.emit import Emitter, LFactor
+from ..core.match import Match, Reject
+from .grouped_heads import shared_qk
+
+MAX_CANDIDATES = 8  # letterings tried per input: more means the shapes are too ambiguous
+FINAL_STATE_REACH = 64  # nodes searched past the last one computed from the subgraph
+
+
+def complete(an: Analyzer, base: Spec) -> Spec:
+    """The gate, initial state and final state: the first reading that certifies."""
+    core = {base.q.node, base.k.node, base.v.node}
+    nodes, frontier, _ = subgraph(an, base.outputs(), core)
+    tried, too_large = 0, None
+    for gate in _gate_options(an, base, nodes | frontier):
+        cut = core | ({gate.g.node} if gate.g is not None else set())
+        nodes, frontier, consts = subgraph(an, [base.out], cut)
+        for h0, h0_groups in _state_options(base, frontier):
+            if frontier - {h0}:
+                continue  # data the computation reads is left unexplained
+            leaves = cut | ({h0} if h0 is not None else set())
+            for final, final_groups in _final_options(an, base, nodes, leaves):
+                spec = replace(gate, h0=h0, h0_groups=h0_groups, final=final, final_groups=final_groups)
+                spec = fitted_gamma(an, spec) if spec.gate == "fit" else spec
+                if spec is None:
+                    continue
+                tried += 1
+                if tried > MAX_CANDIDATES:
+                    raise too_large or Reject("too many ways to read the gate and states by shape")
+                try:
+                    if certify(an, spec):
+                        return spec
+                except CertificateTooLarge as e:
+                    too_large = first_too_large(too_large, e)
+    raise too_large or Reject("no reading of the chunked computation as GLA was certified")
+
+
+def _gate_options(an: Analyzer, base: Spec, nodes: set):
+    """Specs with a gate: none; each slice node shaped like a log gate (or, for a constant
+    gate, like a decay per head); last, a constant decay read off the code itself."""
+    yield base
+    cands = sorted(nodes, key=lambda n: -an.order[n])  # nearest the output first
+    for n in cands:
+        val = example_value(n)
+        if not isinstance(val, torch.Tensor) or an.consts.is_const(n) or not val.is_floating_point():
+            continue
+        for roles, kind in (("bth", "scalar"), ("bthk", "vector"), ("h", "constant")):
+            for letters in letterings(tuple(val.shape), roles, base.sizes):
+                yield replace(base, g=LFactor(n, letters), gate=kind)
+                if kind == "constant":
+                    yield replace(base, g=LFactor(n, letters), gate=kind, gate_is_log=False)
+    yield replace(base, gate="fit")
+
+
+def _state_options(base: Spec, frontier: set) -> list:
+    """[(h0, groups)]: no initial state, or a data input left besides q, k, v, g that is
+    shaped [B, H, K, V] (in any axis order)."""
+    res = [(None, [])]
+    for n in frontier:
+        val = example_value(n)
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            res += [(n, list(ls)) for ls in letterings(tuple(val.shape), "bhkv", base.sizes)]
+    return res
+
+
+def _final_options(an: Analyzer, base: Spec, nodes: set, leaves: set):
+    """(final, groups) for each state-shaped value computed from the subgraph's inputs by
+    analytic ops outside it (the last state of a chunk loop, the last chunk state of a scan),
+    latest first; then (None, []): the final state is not used."""
+    derived, cands = set(nodes) | leaves, []
+    if not nodes:  # nothing of the subgraph to follow: only "unused"
+        yield None, []
+        return
+    last = max(an.order[x] for x in nodes)
+    for n in an.nodes[min(an.order[x] for x in nodes) :]:
+        if an.order[n] > last + FINAL_STATE_REACH:
+            break  # nothing computed from the subgraph lately: the search is over (and linear)
+        if n in derived or not n.all_input_nodes or not is_analytic(an, n) or is_inplace(n):
+            continue
+        if all(x in derived or an.consts.is_const(x) for x in n.all_input_nodes):
+            derived.add(n)
+            last = max(last, an.order[n])
+            val = example_value(n)
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and n.users:
+                cands.append(n)
+    for n in reversed(cands):
+        for ls in letterings(tuple(example_value(n).shape), "bhkv", base.sizes):
+            yield n, list(ls)
+    yield None, []
+
+
+def letterings(shape: tuple, roles: str, sizes: dict) -> list:
+    """Ways to name the axes of `shape` by `roles` (each used once; size-1 roles may be
+    absent, size-1 axes are '1')."""
+    axes = [i for i, s in enumerate(shape) if s != 1]
+    must = [c for c in roles if sizes[c] != 1]
+    if len(axes) < len(must) or len(axes) > len(roles):
+        return []
+    res = []
+    for perm in itertools.permutations(roles, len(axes)):
+        if not set(must) <= set(perm):
+            continue
+        if all(sizes[c] == shape[a] for c, a in zip(perm, axes)):
+            letters = ["1"] * len(shape)
+            for c, a in zip(perm, axes):
+                letters[a] = c
+            res.append("".join(letters))
+    return res
+
+
+def _local_writes(an: Analyzer, nodes: set, consts: dict, outputs: list) -> list:
+    """The in-place writes of the computation; each into memory that only it sees (the outputs
+    aside, whose users the rewrite points at the op's)."""
+    writes = [n for n in nodes if is_inplace(n)]
+    inside = nodes | set(consts)
+    for w in writes:
+        for a in (a for t in written_args(w) for a in an.aliases(t)):
+            if a not in inside or a not in outputs and any(u not in inside for u in a.users):
+                raise Reject("the chunked computation writes into a tensor read elsewhere")
+    return writes
+
+
+def match_of(an: Analyzer, spec: Spec) -> Match:
+    deps = list(spec.leaves().values())
+    anchor = min(spec.outputs(), key=an.order.__getitem__)
+    late = [d.name for d in deps if an.order[d] >= an.order[anchor]]
+    if late:
+        raise Reject(f"inputs {late} are computed after the output")
+    nodes, _, consts = subgraph(an, spec.outputs(), set(deps))
+    writes = _local_writes(an, nodes, consts, spec.outputs())
+    if any(an.order[w] > an.order[anchor] for w in writes):
+        raise Reject("the chunked computation writes into its output after computing it")
+    placement.check_unmodified(an, deps, an.order[anchor])
+    if spec.h0 is not None and placement.written_after(an, spec.h0, anchor):
+        if any(placement.requires_grad(d) for d in deps) and torch.is_grad_enabled():
+            raise Reject("the initial state is overwritten in place while gradients are needed")
+
+    shared = shared_qk(an, spec, anchor)
+
+    def apply(txn) -> None:
+        em = Emitter(txn, anchor, spec.sizes, spec.splits)
+        o, ht = emit_replacement(em, spec, spec.leaves(), shared)
+        txn.replace_all_uses(spec.out, o)
+        if ht is not None:
+            txn.replace_all_uses(spec.final, ht)
+        txn.erase += writes  # the buffers the naive code filled are dead now
+
+    shapes = {c.upper(): spec.sizes.get(c, 1) for c in "bthkv"}
+    match = Match("chunked", spec.gate, spec.q.letters, shapes, spec.outputs(), apply,
+                  {"initial_state": spec.h0 is not None, "scale": spec.scale})
+    match.covers = nodes
+    return match

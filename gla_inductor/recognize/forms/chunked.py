@@ -1,0 +1,102 @@
+"""The chunked form: GLA computed chunk by chunk with no Python loop, as Mamba2's SSD scan is
+written in transformers (``mamba2_chunk_scan``, ``torch_forward`` <= 5.0) and in mamba_ssm's
+``ssd_minimal_discrete``: an intra-chunk term (a decay mask over positions of a chunk), plus
+an inter-chunk term read from chunk states that a segment-sum over chunks decays and carries,
+with an initial state concatenated in and a final state out; and chunk loops (``chunk_loop.py``),
+the same computation with a Python loop over the chunks.
+
+Recognition has two halves.
+
+*Roles, structurally.* The output is a sum with one intra-chunk monomial
+(``intra_chunk.py``): q, k, v. The gate and the initial state are the other data the
+computation reads: candidates by shape ([B, T, H] or [B, T, H, K] for the log gate,
+[B, H, K, V] in any axis order for the states) among the nodes between the inputs and the
+output; the final state, a state-shaped value computed from them (``chunk_candidate.py``).
+
+*Equality, by certificate.* The subgraph from those inputs to the output and the final state
+is run in float64 against the exact replacement the rewrite would insert
+(``certify/certificate.py``, where the argument is written).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..core.algebra import AV, Factor, comps
+from ..core.analyzer import Analyzer
+from ..core.emit import LFactor
+from ..core.match import Match, NearMiss, Reject
+from ..certify.spec import Spec
+from . import chunk_loop, parallel
+from .chunk_candidate import complete, match_of
+from .intra_chunk import Roles, may_hold_chunks, role_sizes, seeds
+
+
+def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
+    matches, near = [], []
+    if not may_hold_chunks(an.graph):
+        return matches, near
+    found = seeds(an)
+    loops = chunk_loop.find(an, found)
+    in_loops = {e for asm, _ in loops for e in asm.elements}
+    for asm, elems in loops:
+        try:
+            matches.append(chunk_loop.analyze(an, asm, [(e, *found[e]) for e in elems]))
+        except Reject as e:
+            near.append(NearMiss("chunked", str(e), [asm.result]))
+    for out, (term, roles) in found.items():
+        if out in in_loops or len(an.value(out).terms) < 2:
+            continue  # one chunk alone, without a state read, is a parallel form
+        if roles.c is None and parallel.proven(an, out):
+            continue  # one chunk with a state read that the parallel form proves, at any size
+        try:
+            matches.append(_analyze(an, out, term, roles))
+        except Reject as e:
+            near.append(NearMiss("chunked", str(e), [out]))
+    return matches, near
+
+
+def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
+    letter = {x: "bh"[n] for n, x in enumerate(r.batch)}
+    letter.update({r.kk: "k", r.vv: "v"})
+    q, k, v = (_leaf(f, pos, r, letter) for f, pos in ((r.q, r.i), (r.k, r.j), (r.v, r.j)))
+    sizes = role_sizes(an, r)
+    out_groups = _out_groups(an.value(out), r, letter)
+    scalars = [f for f in term[1] if f.kind == "scalar"]
+    if scalars:
+        raise Reject("the chunked form scales by a number computed in the graph")
+    base = Spec(q, k, v, None, "none", None, [], out, out_groups, None, [], term[0], sizes)
+    spec = complete(an, base)
+    return match_of(an, spec)
+
+
+def _leaf(f: Factor, pos: int, r: Roles, letter: dict) -> LFactor:
+    letters = ""
+    for e in f.idx:
+        cs = comps(e)
+        if cs == r.time(pos):
+            letters += "t"
+        elif len(cs) == 1 and cs[0] in letter:
+            letters += letter[cs[0]]
+        elif not cs:
+            letters += "1"
+        else:
+            raise Reject("an input of the chunked form has an axis that is not one role")
+    if f.atom.fixed:
+        raise Reject("an input of the chunked form is indexed at an integer position")
+    return LFactor(f.atom.node, letters)
+
+
+def _out_groups(av: AV, r: Roles, letter: dict) -> list:
+    groups = []
+    for e in av.out:
+        cs = comps(e)
+        if cs == r.time(r.i):
+            groups.append("t")
+        elif not cs:
+            groups.append("1")
+        elif len(cs) == 1 and cs[0] in letter and letter[cs[0]] != "k":
+            groups.append(letter[cs[0]])
+        else:
+            raise Reject("the output keeps the chunk axis apart from the position (take its view)")
+    return groups

@@ -1,0 +1,140 @@
+"""The intra-chunk monomial: what marks a computation as chunked GLA.
+
+The output of a chunked computation (Mamba2's SSD scan, a chunk loop) has one monomial
+
+    q[c, i] k[c, j] v[c, j] * decay(c, i, j)
+
+over a chunk of positions c: three atoms, whose time axes are the chunk index c and a position
+within it merged (the reshape into chunks split the time variable), under a decay or mask. They
+are q, k, v; ``Roles`` names their index variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..core.algebra import AV, Factor, comps, factor_vars, mono_vars, out_vars
+from ..core.analyzer import Analyzer
+from ..core.consts import example_value
+from ..core.match import Reject
+from ..core.op_names import VIEW_OPS, op_name
+
+
+@dataclass
+class Roles:
+    q: Factor
+    k: Factor
+    v: Factor
+    i: int  # position of the query within its chunk
+    j: int  # position of the key
+    c: Optional[int]  # the chunk (None when there is one)
+    kk: int
+    vv: int
+    batch: list
+
+    def time(self, pos: int) -> tuple:
+        """The variables of a time axis at chunk position `pos`."""
+        return (pos,) if self.c is None else (self.c, pos)
+
+
+# Ops that relate positions within a chunk: masks, segment sums, decay tables from positions.
+_POSITION_OPS = {"tril", "triu", "tril_", "triu_", "cumsum", "masked_fill", "masked_fill_", "where", "arange",
+                 "lt", "le", "gt", "ge", "logcumsumexp", "tril_indices", "triu_indices"}
+
+
+def may_hold_chunks(graph: fx.Graph) -> bool:
+    """A cheap precondition: the intra-chunk term decays or masks pairs of positions, so the graph
+    builds such a relation (a mask, a cumulative sum, positions from arange) or reads a table of it
+    ([..., C, C] input or attribute). Graphs without one (a time loop unrolled by Dynamo) skip the
+    normal form of every node that finding the intra-chunk monomials takes."""
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            val = example_value(n)
+            if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == val.shape[-2] >= 2:
+                return True
+        elif n.op in ("call_function", "call_method"):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+            if name in _POSITION_OPS:
+                return True
+    return False
+
+
+def seeds(an: Analyzer) -> dict:
+    """node -> (term, roles) for values with an intra-chunk monomial, the last of a chain of
+    views (a chunk loop's first chunk, read from a zero state, has no other term)."""
+    found = {}
+    for n in an.graph.nodes:
+        av = an.value(n)
+        if av is None or av.keep is not None or op_name(n) in ("getitem", "select"):
+            continue
+        for term in av.terms:
+            roles = _roles(av, term)
+            if roles is not None:
+                found[n] = (term, roles)
+                break
+    return {n: x for n, x in found.items() if not any(u in found and op_name(u) in VIEW_OPS for u in n.users)}
+
+
+def _roles(av: AV, term) -> Optional[Roles]:
+    coef, fs = term
+    atoms = [f for f in fs if f.kind == "atom"]
+    if len(atoms) != 3 or not any(f.kind in ("exp", "const", "tri") for f in fs):
+        return None  # three inputs under a decay or mask
+    ov = out_vars(av.out)
+    summed = mono_vars(term) - ov
+    other_vars = set().union(*[factor_vars(f) for f in fs if f.kind != "atom"])
+
+    def holders(x):
+        return [f for f in atoms if x in factor_vars(f)]
+
+    vvs = [x for x in ov if len(holders(x)) == 1 and x not in other_vars and factor_vars(holders(x)[0]) & summed]
+    if len(vvs) != 1:
+        return None
+    vv, v = vvs[0], holders(vvs[0])[0]
+    js = factor_vars(v) & summed
+    kks = summed - js
+    if len(js) != 1 or len(kks) != 1:
+        return None
+    j, kk = next(iter(js)), next(iter(kks))
+    ks = [f for f in atoms if f is not v and {j, kk} <= factor_vars(f)]
+    qs = [f for f in atoms if f is not v and kk in factor_vars(f) and j not in factor_vars(f)]
+    if len(ks) != 1 or len(qs) != 1:
+        return None
+    q, k = qs[0], ks[0]
+    i_s = [x for x in ov if x in factor_vars(q) and x not in factor_vars(k) | factor_vars(v)]
+    if len(i_s) != 1:
+        return None
+    i = i_s[0]
+    c = _chunk_var(q, i)  # None: a single chunk (its axis has size 1)
+    if _chunk_var(k, j) != c or _chunk_var(v, j) != c or c is None and (i not in q.idx or j not in k.idx):
+        return None
+    batch = [x for e in av.out for x in comps(e) if x not in (i, vv, c)]
+    if len(batch) > 2:
+        return None
+    return Roles(q, k, v, i, j, c, kk, vv, batch)
+
+
+def _chunk_var(f: Factor, pos: int) -> Optional[int]:
+    """c where f's time axis is the merged (c, pos): chunk c, position pos within it."""
+    for e in f.idx:
+        cs = comps(e)
+        if len(cs) == 2 and cs[1] == pos:
+            return cs[0]
+    return None
+
+
+def role_sizes(an: Analyzer, r: Roles) -> dict:
+    def size(x):
+        s = an.sizes[x]
+        if not isinstance(s, int):
+            raise Reject("the chunked form has symbolic sizes (it is certified at static sizes)")
+        return s
+
+    sizes = {"b": 1, "h": 1, "k": size(r.kk), "v": size(r.vv), "t": size(r.i) * (size(r.c) if r.c is not None else 1)}
+    for n, x in enumerate(r.batch):
+        sizes["bh"[n]] = size(x)
+    return sizes

@@ -1,0 +1,428 @@
+"""The steps of an unrolled time loop: state updates and the query reads of their states.
+
+    S_t = S_{t-1} * d_t + k_t (x) v_t        (decay d_t = exp(g_t) over K, or absent)
+    o_t = scale * sum_K q_t * S_t
+
+``find_steps`` reads every node as a possible state update (``parse_step``); ``chains_of``
+links the updates S_{t-1} -> S_t; ``parse_read`` reads an output element as a query read of a
+state (a single step's read is found among the users of its state: ``read_of_step``). The
+state's axes are then named by role (``state_roles``, ``state_letters``): batch b/h, key k,
+value v. A long loop whose steps ``periodic.py`` proves alike by their structure is parsed at
+three steps only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.fx as fx
+
+from ..core.algebra import AV, Factor, Mono, comps, factor_vars, make_entry, mono_vars, out_vars, rank_of
+from ..core.analyzer import Analyzer
+from ..core.assembly import Assembly, find_outputs
+from ..core.match import NearMiss, Reject
+from ..core.op_names import VIEW_OPS, op_name
+from . import periodic
+
+BATCH_LETTERS = ("b", "h")
+SUB_LETTERS = "ABCDEFGHIJKLMNOPQRSUWXYZ"  # parts of a role the user's code merged
+MAX_READ_DEPTH = 6  # views and casts between a decode step's state and its read
+
+
+@dataclass
+class Step:
+    node: fx.Node
+    av: AV
+    prev: Optional[fx.Node]  # the previous state, None when it is zero
+    decay: Optional[Mono]  # the decay monomial without the previous-state factor
+    outer: Mono
+    # the update reads the previous state through a view of another shape (same elements,
+    # same order): fine for a state of the loop, which takes the update's shape (see
+    # _align_states), not for an initial state the op would read as the update's shape
+    prev_view: bool = False
+
+
+@dataclass
+class Read:
+    node: fx.Node  # the element of the assembly
+    av: AV
+    state: fx.Node
+    state_factor: Factor
+    kvar: Optional[int]  # None: the read sums over no axis (K of size 1)
+    q: list  # factors of the read other than the state
+    coef: float
+
+
+# ---- reading nodes ---------------------------------------------------------------------
+def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
+    if op_name(node) in VIEW_OPS:
+        return None  # a view or cast of a state is that state, not a further step
+    av = an.value(node)
+    if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2 or len(av.out) < 2:
+        return None
+    out_set = out_vars(av.out)
+    terms = av.terms
+    if not all(mono_vars(m) <= out_set for m in terms):
+        return None
+    full = [[f for f in fs if is_full_atom(f, av.out)] for _, fs in terms]
+    decay, prev, prev_view = None, None, False
+    if len(terms) == 1:
+        if full[0]:
+            return None
+        outer = terms[0]
+    else:
+        d = _decay_term(terms, full)
+        if d is None:
+            return None
+        pf, (coef, fs) = full[d][0], terms[d]
+        prev, prev_view = pf.atom.node, _grouping(pf.idx) != _grouping(av.out)
+        decay = (coef, tuple(f for f in fs if f is not pf))
+        outer = terms[1 - d]
+    if not _is_outer_product(outer, av.out):
+        return None
+    return Step(node, av, prev, decay, outer, prev_view)
+
+
+def _decay_term(terms: tuple, full: list) -> Optional[int]:
+    """Which of two terms decays the previous state: the one with one factor indexed like the
+    whole state. Both may have one where K or V has size 1: v_t [B, H, V] is indexed like the
+    state [B, H, 1, V] where it is read at no time index (a decode step, or a v_t each step
+    computes); then the one whose factor may be a state (an update, an input), and of those
+    the one with fewer other tensor factors (S * exp(g) rather than k * v). (A full factor in
+    the other term is no outer product, unless the state has a size-1 axis.)"""
+    cands = [i for i in (0, 1) if len(full[i]) == 1]
+    if len(cands) == 2:
+        cands.sort(key=lambda i: (not _state_like(full[i][0].atom.node), sum(f.kind == "atom" for f in terms[i][1])))
+    return cands[0] if cands else None
+
+
+def _is_outer_product(m: Mono, out: tuple) -> bool:
+    """Some two axes of the update are never indexed by one factor together (k^T v),
+    unlike an elementwise product k * x. With K or V of size 1 the outer product is an
+    elementwise product k * v, which a state with a size-1 axis may hold: which axes are
+    which is then decided by the roles (see state_roles), as for any state."""
+    if None in out:
+        return True
+    out_set = out_vars(out)
+    fvars = [factor_vars(f) for f in m[1] if f.kind == "atom"]
+    axes = sorted(out_set)
+    return any(
+        not any(a in fv and b in fv for fv in fvars)
+        and any(a in fv for fv in fvars)
+        and any(b in fv for fv in fvars)
+        for i, a in enumerate(axes)
+        for b in axes[i + 1 :]
+    )
+
+
+def is_full_atom(f: Factor, out: tuple) -> bool:
+    """Whether f is a whole tensor read element for element as `out`, possibly through a view
+    of another shape: the same variables in the same row-major order (a first state
+    `bmm(k, v)` of [B * H, K, V] viewed as [B, H, K, V] by the update that decays it)."""
+    return f.kind == "atom" and not f.atom.fixed and _flat(f.idx) == _flat(out)
+
+
+def _flat(entries) -> list:
+    return [c for e in entries for c in comps(e)]
+
+
+def _grouping(entries) -> list:
+    return [len(comps(e)) for e in entries]
+
+
+def _regrouped(an: Analyzer, st: Step, like: tuple) -> Optional[Step]:
+    """st with its axes grouped like `like` (the next step's), when both hold the same
+    elements in the same order: only the shape of the state differs, not its values."""
+    flat, target = _flat(st.av.out), _flat(like)
+    if len(flat) != len(target) or any(an.sizes[a] != an.sizes[b] for a, b in zip(flat, target)):
+        return None
+    it = iter(flat)
+    out = tuple(make_entry([next(it) for _ in comps(e)]) for e in like)
+    return Step(st.node, AV(out, st.av.terms, st.av.keep, st.av.origin, st.av.root), st.prev, st.decay, st.outer)
+
+
+def _align_states(an: Analyzer, found: dict) -> None:
+    """Give a state the shape of the step that updates it, where the two differ (the first
+    state computed by bmm on flattened heads): letters are read by axis position."""
+    for st in list(found.values()):
+        prev = found.get(st.prev) if isinstance(st, Step) and st.av is not None else None
+        if isinstance(prev, Step) and prev.av is not None and _grouping(prev.av.out) != _grouping(st.av.out):
+            aligned = _regrouped(an, prev, st.av.out)
+            if aligned is None:  # the view splits the state's own axes: no step-by-step reading
+                found[st.node] = "a state is viewed in a shape whose axes its update splits"
+            else:
+                found[st.prev] = aligned
+
+
+def unsupported_update_reason(an: Analyzer, node: fx.Node) -> Optional[str]:
+    """Why a sum that updates a state-shaped tensor from itself is not a GLA step."""
+    if op_name(node) not in ("add", "sub"):
+        return None
+    av = an.value(node)
+    if av is None or len(av.out) < 2 or parse_step(an, node) is not None:
+        return None
+    out_set = out_vars(av.out)
+    selfish = [m for m in av.terms if any(is_full_atom(f, av.out) for f in m[1])]
+    # a state is an earlier update or comes from outside; `G[:, :1] - G` updates nothing
+    if not any(is_full_atom(f, av.out) and _state_like(f.atom.node) for m in selfish for f in m[1]):
+        return None
+    for m in av.terms:
+        if mono_vars(m) - out_set and any(f.kind == "atom" and rank_of(f.atom.node) == len(av.out) for f in m[1]):
+            return "the state is read inside its own update (delta-rule style)"
+    if len(av.terms) > 2:
+        return "the update has more terms than a decay and an outer product"
+    others = [m for m in av.terms if m not in selfish]
+    if others and not _is_outer_product(others[0], av.out):
+        return "the update adds no outer product k^T v (elementwise recurrence)"
+    return None
+
+
+def _state_like(node: fx.Node) -> bool:
+    return op_name(node) in ("add", "sub", "mul", "div") or node.op in ("placeholder", "get_attr")
+
+
+def parse_read(an: Analyzer, node: fx.Node, states: dict) -> Optional[Read]:
+    av = an.value(node)
+    if av is None or av.keep is not None or len(av.terms) != 1:
+        return None
+    coef, fs = av.terms[0]
+    sf = [f for f in fs if f.kind == "atom" and f.atom.node in states and not f.atom.fixed]
+    if len(sf) != 1:
+        return None
+    sf = sf[0]
+    summed = mono_vars(av.terms[0]) - out_vars(av.out)
+    if len(summed) > 1:
+        return None
+    # the sum over K; nothing is summed where K has size 1 (q_t * S_t: K is a size-1 axis
+    # of the state, which one state_roles decides)
+    kvar = next(iter(summed), None)
+    if kvar is not None and sf.idx.count(kvar) != 1 or kvar is None and None not in sf.idx:
+        return None
+    return Read(node, av, sf.atom.node, sf, kvar, [f for f in fs if f is not sf], coef)
+
+
+# ---- the steps of a graph ---------------------------------------------------------------
+def find_steps(an: Analyzer) -> tuple[dict, list]:
+    """Every state update of the graph, and near misses for updates that are not GLA steps
+    (computed once per graph: the loop and decode recognizers share them). Steps 3 and
+    later of a long loop proven periodic are not parsed: they are step 1 (see periodic.py)."""
+    if "steps" not in an.memo:
+        proofs = periodic.find(an, find_outputs(an))
+        skip = set().union(*(p.nodes for p in proofs))
+        found = {n: _read_node(an, n) for n in an.graph.nodes if n not in skip}
+        _align_states(an, found)
+        for p in proofs:
+            if _samples_parse(an, p, found):
+                found.update((p.states[i], Step(p.states[i], None, p.states[i - 1], None, None)) for i in p.interior)
+            else:  # parsed after all, in graph order (each step's normal form reads the last's)
+                p.failed = True
+                found.update((n, _read_node(an, n)) for n in an.graph.nodes if n in p.nodes)
+                _align_states(an, found)
+        steps = {n: found[n] for n in an.graph.nodes if isinstance(found.get(n), Step)}
+        near = [NearMiss("loop", found[n], [n]) for n in an.graph.nodes if isinstance(found.get(n), str)]
+        an.memo["steps"] = (steps, near)
+    return an.memo["steps"]
+
+
+def _read_node(an: Analyzer, n: fx.Node):
+    """n as a Step, or why it is an update but not a GLA step, or None."""
+    return parse_step(an, n) or unsupported_update_reason(an, n)
+
+
+def _samples_parse(an: Analyzer, p: periodic.Proof, found: dict) -> bool:
+    """The head and steps 1 and 2 parse as GLA steps of the chain, with axes alike (a step
+    sees of the previous state only its axes), and nothing else in steps 1 and 2 is a step
+    from a state or a near miss: so each later step, having their structure, is one too."""
+    for i in (0, 1, 2):
+        st = found.get(p.states[i])
+        if not isinstance(st, Step) or i and st.prev is not p.states[i - 1]:
+            return False
+    if not an.read_whole(p.states[0]):  # (a sum always is; the head may be a product k v)
+        return False
+    if len({_axes(an, found[p.states[i]].av) for i in (0, 1, 2)}) != 1:
+        return False
+    others = (found.get(n) for n in p.sample if n not in p.states)
+    return not any(isinstance(x, str) or isinstance(x, Step) and x.prev is not None for x in others)
+
+
+def _axes(an: Analyzer, av: AV) -> tuple:
+    """The sizes of the variables of each axis of a value (an axis may merge several)."""
+    return tuple(tuple(an.sizes[v] for v in comps(e)) for e in av.out)
+
+
+def chains_of(steps: dict) -> list[list[Step]]:
+    succ: dict = {}
+    for st in steps.values():
+        if st.prev is not None and st.prev in steps:
+            succ.setdefault(st.prev, []).append(st)
+    chains = []
+    for st in steps.values():
+        if st.prev is not None and st.prev in steps:
+            continue  # not a head
+        chain = [st]
+        while len(succ.get(chain[-1].node, [])) == 1:
+            chain.append(succ[chain[-1].node][0])
+        chains.append(chain)
+    return chains
+
+
+def read_of_step(an: Analyzer, st: Step) -> Assembly:
+    """The query read of a single step's new state, among its users (through views)."""
+    states = {st.node: 0}
+    found, frontier, parent = [], [st.node], {st.node: None}
+    for _ in range(MAX_READ_DEPTH):
+        nxt = []
+        for n in frontier:
+            for u in an.users(n):  # also a read of the cache the new state was copied into
+                if u in parent:
+                    continue
+                parent[u] = n
+                rd = parse_read(an, u, states)
+                if rd is not None:
+                    found.append(u)
+                if rd is not None and rd.kvar is None or rd is None and (op_name(u) in VIEW_OPS or op_name(u) == "mul"):
+                    nxt.append(u)  # a product q * S that sums nothing may be summed over K next
+        frontier = nxt
+    found = _outermost(found, parent)
+    if not found:
+        raise Reject("a one-step state update (decode) whose new state is not read by a query")
+    if len(found) > 1:
+        raise Reject("the new state is read by more than one query")
+    return Assembly("read", found[0], found, -1)
+
+
+def _outermost(found: list, parent: dict) -> list:
+    """The reads that no other read is computed from: q * S before its sum over K reads
+    like a read of K of size 1, and the sum is the read."""
+    inner = set()
+    for n in found:
+        p = parent[n]
+        while p is not None and p not in inner:
+            inner.add(p)
+            p = parent[p]
+    return [n for n in found if n not in inner]
+
+
+# ---- roles and letters -------------------------------------------------------------------
+@dataclass
+class Roles:
+    kpos: int
+    vpos: int
+    batch: list  # state positions of the batch axes, in order
+
+    def letter(self, pos: int) -> str:
+        if pos == self.kpos:
+            return "k"
+        if pos == self.vpos:
+            return "v"
+        return BATCH_LETTERS[self.batch.index(pos)]
+
+
+@dataclass
+class Letters:
+    """Index variables named by role letters. A state axis the code merged from parts
+    (heads = groups x repeats) gets one upper-case sub-letter per part."""
+
+    of_var: dict = field(default_factory=dict)  # var -> letter or sub-letter
+    role_of: dict = field(default_factory=lambda: {c: c for c in "bhtkv1"})
+    splits: dict = field(default_factory=dict)  # role -> its sub-letters
+    sizes: dict = field(default_factory=dict)  # sub-letter -> size
+
+    def groups(self, entries, of_var: Optional[dict] = None) -> list:
+        """Role letters of each axis ('1' for size 1); parts of a role must come whole."""
+        of_var = self.of_var if of_var is None else of_var
+        res = []
+        for e in entries:
+            subs = [of_var.get(c) for c in comps(e)]
+            if None in subs:
+                raise Reject("an output is indexed by an axis the state does not have")
+            res.append(self._collapse(subs) or "1")
+        return res
+
+    def _collapse(self, subs: list) -> str:
+        out = ""
+        while subs:
+            role = self.role_of[subs[0]]
+            parts = list(self.splits.get(role, role))
+            if subs[: len(parts)] != parts:
+                raise Reject("an output axis holds part of a merged axis of the state")
+            subs = subs[len(parts) :]
+            out += role
+        return out
+
+
+def state_letters(an: Analyzer, out: tuple, roles: Roles) -> Letters:
+    letters = Letters()
+    fresh = iter(SUB_LETTERS)
+    for p, e in enumerate(out):
+        cs = comps(e)
+        if len(cs) == 1:
+            letters.of_var[cs[0]] = roles.letter(p)
+        elif cs:
+            role = roles.letter(p)
+            letters.splits[role] = ""
+            for c in cs:
+                sub = next(fresh)
+                if not isinstance(an.sizes[c], int):
+                    raise Reject("a merged state axis has a symbolic size")
+                letters.of_var[c], letters.role_of[sub], letters.sizes[sub] = sub, role, an.sizes[c]
+                letters.splits[role] += sub
+    return letters
+
+
+def read_letters(an: Analyzer, rd: Read, st: Step, letters: Letters) -> dict:
+    """The read's variables named by the letters of the step's (position by position)."""
+    res = {}
+    # position by position in row-major order: the read may view the state in another shape
+    cr, cs = _flat(rd.state_factor.idx), _flat(st.av.out)
+    if len(cr) != len(cs) or any(an.sizes[r] != an.sizes[s] for r, s in zip(cr, cs)):
+        raise Reject("the read splits the state's axes differently from its update")
+    for r, s in zip(cr, cs):
+        res[r] = letters.of_var[s]
+    if rd.kvar is not None:
+        res[rd.kvar] = "k"
+    return res
+
+
+def state_roles(st: Step, rd: Read) -> Roles:
+    """Roles of the state's axes, from the last step parsed (every step has its structure).
+    K is the axis the read sums over, V an axis neither the keys nor the query index. A role
+    of size 1 has no variable (nothing is summed, nothing indexes it): it is a size-1 axis of
+    the state, and which one does not matter (each holds one element); the last such axis is
+    taken for V and the one before for K, as in the usual [..., K, V] layout."""
+    if _grouping(rd.state_factor.idx) != _grouping(st.av.out):
+        raise Reject("the last state is read in another shape than its update's")
+    out = st.av.out
+    kpos = rd.state_factor.idx.index(rd.kvar) if rd.kvar is not None else None
+    kvars = set(comps(out[kpos])) if kpos is not None else set()
+    kgroup_vars = set()
+    for f in st.outer[1]:
+        if kvars & factor_vars(f):
+            kgroup_vars |= factor_vars(f)
+    read_to_state = {}
+    for e_read, e_state in zip(rd.state_factor.idx, out):
+        read_to_state.update(zip(comps(e_read), comps(e_state)))
+    q_vars_state = {read_to_state.get(v) for f in rd.q for v in factor_vars(f)}
+
+    def free(p, avoid):
+        return p != kpos and out[p] is not None and not set(comps(out[p])) & avoid
+
+    cands = [p for p in range(len(out)) if free(p, kgroup_vars | q_vars_state)]
+    ones = [p for p in range(len(out)) if out[p] is None and p != kpos]
+    if not cands and len(ones) >= (kpos is None) + 1:  # V of size 1 (and K, where it has no axis yet)
+        cands = ones
+    if not cands and kpos is not None:
+        cands = [p for p in range(len(out)) if free(p, kgroup_vars)]
+    if not cands:
+        raise Reject("cannot tell the value axis of the state")
+    vpos = cands[-1]
+    if kpos is None:  # K of size 1
+        ones = [p for p in ones if p != vpos]
+        if not ones:
+            raise Reject("cannot tell the key axis of the state: the read sums over no axis")
+        kpos = ones[-1]
+    batch = [p for p in range(len(out)) if p not in (kpos, vpos)]
+    if len(batch) > 2:
+        raise Reject(f"the state has {len(batch)} batch axes; at most 2 (batch, head) are supported")
+    return Roles(kpos, vpos, batch)
