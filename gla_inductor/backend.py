@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from . import config, ops  # noqa: F401  (ops: defines chunk_fwd)
+from . import config, cost, ops  # noqa: F401  (ops: defines chunk_fwd)
 from .cache_key import keyed
 from .recognize import RewriteResult, rewrite_graph
 from .recognize.core.match import NearMiss
@@ -45,7 +45,7 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> Rew
         return RewriteResult()
     original = _copy(gm) if config.verify and example_inputs is not None else None
     try:
-        result = rewrite_graph(gm, forms=tuple(config.forms))
+        result = rewrite_graph(gm, forms=tuple(config.forms), unprofitable_reason=_unprofitable_reason)
     except Exception:
         log.warning("gla_inductor: the GLA rewrite failed; compiling the graph unchanged", exc_info=True)
         counters["gla_inductor"]["failures"] += 1
@@ -65,6 +65,23 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> Rew
         counters["gla_inductor"][f"rewrites_{m.form}"] += 1
     counters["gla_inductor"]["near_misses"] += len(result.near_misses)
     return result
+
+
+def _unprofitable_reason(m) -> str | None:
+    """The cost rule (``gla_inductor.cost``) on a recognized instance: why the rewrite would lose,
+    or None to rewrite it."""
+    if not config.cost_rule:
+        return None
+    values = [v for v in (n.meta.get("example_value") for n in m.nodes) if isinstance(v, torch.Tensor)]
+    if not values:
+        return None
+    sizes = {k: v if isinstance(v, int) else None for k, v in m.shapes.items()}
+    B, T, H, K, V = (sizes.get(c) for c in "BTHKV")
+    if K is None or V is None:
+        return None
+    candidate = cost.Candidate(form=m.form, steps=T, batch_heads=None if B is None or H is None else B * H, K=K,
+                               V=V, device=values[0].device.type, needs_grad=any(v.requires_grad for v in values))
+    return cost.unprofitable_reason(candidate)
 
 
 def _fuse_gates(gm: torch.fx.GraphModule) -> int:

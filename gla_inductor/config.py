@@ -14,6 +14,10 @@ forms: tuple = ("chunked", "loop", "decode", "parallel")
 # Rewrite graphs at all (False: the backend is plain Inductor).
 enabled: bool = True
 
+# Leave a recognized instance to Inductor where the cost model says the rewrite would be slower
+# (gla_inductor.cost: decoding and short steps without gradients); explain() shows the estimate.
+cost_rule: bool = True
+
 # Fuse a recognized gate function (logsigmoid(x) / c, log(sigmoid(x)), a * softplus(x + bias))
 # into the GLA op that reads its output, so the kernels read x (gla_inductor.gates).
 fuse_gates: bool = True

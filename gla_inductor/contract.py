@@ -119,7 +119,7 @@ class GLACall:
     # ---- the ops' arguments ---------------------------------------------------------------------
     def _named(self, **extra) -> dict[str, Any]:
         fn = self.gate
-        return dict(self.tensors(), scale=float(self.scale), output_final_state=bool(self.output_final_state),
+        return dict(self.tensors(), scale=_number(self.scale), output_final_state=bool(self.output_final_state),
                     reverse=bool(self.reverse), gate_fn=fn.name, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi,
                     state_indices=self.state_indices, **extra)
 
@@ -146,12 +146,17 @@ class GLACall:
         named = dict(_DEFAULTS, **dict(zip(names, args)), **(kwargs or {}))
         if "state" in named:
             named["initial_state"] = named.pop("state")
-        gate = GateFn(named["gate_fn"], float(named["gate_scale"]), named["gate_lo"], named["gate_hi"])
+        gate = GateFn(named["gate_fn"], _number(named["gate_scale"]), named["gate_lo"], named["gate_hi"])
         return cls(q=named["q"], k=named["k"], v=named["v"], g=named.get("g"), g_gamma=named.get("g_gamma"),
                    initial_state=named.get("initial_state"), scale=named.get("scale", 1.0),
                    output_final_state=bool(named.get("output_final_state", "state" in names)),
                    reverse=bool(named.get("reverse", False)), gate=gate, gate_a=named["gate_a"],
                    gate_bias=named["gate_bias"], state_indices=named["state_indices"])
+
+
+def _number(x):
+    """A Python number as a float; a number computed in the graph (a node, a SymFloat) as it is."""
+    return float(x) if isinstance(x, (int, float)) else x
 
 
 def _positional(names: Sequence[str], named: dict, trim: bool = True) -> tuple:

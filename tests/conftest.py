@@ -47,6 +47,25 @@ def chunked_impl():
         yield
 
 
+@pytest.fixture(autouse=True)
+def no_cost_rule():
+    """Tests check what the recognizer proves and that every rewrite is exact, at small shapes where
+    the cost rule would leave short steps to Inductor: it is off here, and tested on its own
+    (tests/recognize/test_cost_rule.py) with the ``cost_rule`` fixture."""
+    from gla_inductor import config
+
+    with config.patch(cost_rule=False):
+        yield
+
+
+@pytest.fixture
+def cost_rule():
+    from gla_inductor import config
+
+    with config.patch(cost_rule=True):
+        yield
+
+
 @pytest.fixture
 def fresh_compiler():
     """Each test compiles from scratch and counts only its own rewrites: Dynamo's caches and

@@ -31,13 +31,14 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch.fx as fx
 
 from .core.analyzer import Analyzer
 from .core.clean import dead_code_elimination
 from .core.emit import Transaction
-from .core.match import NearMiss
+from .core.match import Match, NearMiss
 from .forms import chunked, decode, loop, parallel
 
 log = logging.getLogger("gla_inductor")
@@ -59,13 +60,15 @@ class RewriteResult:
     seconds: float = 0.0
 
 
-def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel")) -> RewriteResult:
+def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel"),
+                  unprofitable_reason: Optional[Callable[[Match], Optional[str]]] = None) -> RewriteResult:
     """Replace every proven GLA instance in `gm` by the GLA op. A match whose replacement
     fails is undone and reported as a near miss; an internal error undoes everything and
-    raises (the backend logs it and compiles the graph unchanged)."""
+    raises (the backend logs it and compiles the graph unchanged). A match for which
+    ``unprofitable_reason`` gives a reason is left alone with that reason (the cost rule)."""
     start = time.perf_counter()
     with _no_gc():  # the analysis allocates many small objects and keeps them: collecting is waste
-        return _rewrite(gm, forms, start)
+        return _rewrite(gm, forms, start, unprofitable_reason)
 
 
 @contextlib.contextmanager
@@ -79,7 +82,7 @@ def _no_gc():
             gc.enable()
 
 
-def _rewrite(gm: fx.GraphModule, forms, start: float) -> RewriteResult:
+def _rewrite(gm: fx.GraphModule, forms, start: float, unprofitable_reason) -> RewriteResult:
     graph = gm.graph
     an = Analyzer(graph)
     result = RewriteResult()
@@ -95,6 +98,10 @@ def _rewrite(gm: fx.GraphModule, forms, start: float) -> RewriteResult:
     result.near_misses = [nm for nm in near_misses if not covered.intersection(nm.nodes)]
     txn = Transaction(graph)
     for m in found:
+        why = unprofitable_reason(m) if unprofitable_reason is not None else None
+        if why is not None:
+            result.near_misses.append(NearMiss(m.form, why, m.nodes))
+            continue
         mark = txn.mark()
         try:
             m.apply(txn)

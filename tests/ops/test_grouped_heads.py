@@ -21,7 +21,7 @@ from gla_inductor.impl import chunked as chunked_impl
 from gla_inductor.kernels import chunk as kchunk, configs as kconfigs
 from gla_inductor.ops import dispatch
 from gla_inductor.backend import rewrite
-from gla_inductor.recognize import chunked
+from gla_inductor.recognize.certify import certificate
 from gla_inductor.reference import naive_recurrent_gla
 from gla_inductor.contract import GLACall
 from helpers import GATES, as_float64, gla_inputs, loop_reference_grads, placed, rel_norm_err
@@ -237,7 +237,7 @@ def test_recognizer_passes_shared_q_and_k(fn):
 def test_certificate_runs_grouped_reference():
     """The certificate's float64 reference (the naive loop) takes grouped q and k itself."""
     x = as_float64(make(2, "vector"))
-    o, ht = chunked._reference(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], 0.5, True, False)
+    o, ht = certificate.reference_op(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], 0.5, True, False)
     rep = {n: x[n].repeat_interleave(2, dim=2) for n in ("q", "k")}
     o2, ht2 = naive_recurrent_gla(rep["q"], rep["k"], x["v"], x["g"], scale=0.5, initial_state=x["initial_state"],
                                   output_final_state=True)

@@ -1,10 +1,10 @@
-"""The chunked form's certificate at fewer batches and heads (recognize/shrink.py): a scan whose
+"""The chunked form's certificate at fewer batches and heads (recognize/certify/shrink.py): a scan whose
 full-size certificate exceeds the memory budget is still rewritten, certified at 2 batches and
 2 heads; code that treats one batch or head apart (alike at 2, not at full size) is refused
 that shortcut; a refused subgraph is certified at full size within the budget, and rejected
 past it; the real transformers Mamba2 mixer is rewritten through the shortcut.
 
-Instead of huge tensors, the budget (chunked.CERT_BUDGET_BYTES) is patched down: the scans here
+Instead of huge tensors, the budget (certificate.CERT_BUDGET_BYTES) is patched down: the scans here
 need ~20 KiB certified at 2 batches and 2 heads, several times that at full size. Outputs are
 compared with the same code run eagerly in float64.
 """
@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from gla_inductor.backend import rewrite
-from gla_inductor.recognize import chunked, shrink, summed_products
+from gla_inductor.recognize.certify import certificate, shrink, summed_products
 from helpers import FP32_TOL, compile_rewritten, outputs, rel_err
 from spellings import SPELLINGS, chunked_hf_broadcast, chunked_hf_einsum
 
@@ -24,14 +24,14 @@ BUDGET = 64 << 10  # above the reduced certificate's estimate (~20 KiB), below t
 
 @pytest.fixture(autouse=True)
 def fresh(one_thread, seeded_compiler):
-    chunked._CERTIFIED.clear()
+    certificate.CERTIFIED.clear()
     yield
-    chunked._CERTIFIED.clear()
+    certificate.CERTIFIED.clear()
 
 
 @pytest.fixture
 def small_budget(monkeypatch):
-    monkeypatch.setattr(chunked, "CERT_BUDGET_BYTES", BUDGET)
+    monkeypatch.setattr(certificate, "CERT_BUDGET_BYTES", BUDGET)
 
 
 @pytest.fixture
@@ -128,15 +128,15 @@ def test_broadcast_products_are_not_materialized(monkeypatch):
     einsum, and its estimate counts no product. Here (state size 64) the reduced certificate
     needs ~227 KiB so, ~348 KiB with the products: a budget between them rewrites the scan,
     and only with the products left out."""
-    monkeypatch.setattr(chunked, "CERT_BUDGET_BYTES", 288 << 10)
+    monkeypatch.setattr(certificate, "CERT_BUDGET_BYTES", 288 << 10)
     args = (torch.randn(B, T, H, P), torch.randn(B, T, H), -torch.rand(H), torch.randn(B, T, G, 64),
             torch.randn(B, T, G, 64), torch.randn(B, H, P, 64))
     assert run(chunked_hf_broadcast, args) == []
     assert rewrites() == 1 and certificates() == {"reduced": 1, "full": 0}
 
     torch._dynamo.reset()
-    chunked._CERTIFIED.clear()
-    monkeypatch.setattr(summed_products, "summed_product", lambda n: False)
+    certificate.CERTIFIED.clear()
+    monkeypatch.setattr(summed_products, "is_summed_product", lambda n: False)
     assert any("GiB at full size" in r for r in run(chunked_hf_broadcast, args))
     assert rewrites() == 1
 
@@ -261,7 +261,7 @@ def test_mamba2_mixer_certified_at_fewer_heads(groups, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-    monkeypatch.setattr(chunked, "CERT_BUDGET_BYTES", 32 << 20)  # reduced ~14 MiB, full ~8x
+    monkeypatch.setattr(certificate, "CERT_BUDGET_BYTES", 32 << 20)  # reduced ~14 MiB, full ~8x
     cfg = transformers.Mamba2Config(hidden_size=256, num_heads=16, head_dim=32, expand=2, state_size=64,
                                     n_groups=groups, chunk_size=128, conv_kernel=4, num_hidden_layers=1)
     mixer = Mamba2Mixer(cfg, layer_idx=0).eval()

@@ -17,8 +17,8 @@ from torch._dynamo.utils import counters
 
 import gla_inductor
 from gla_inductor.backend import rewrite
-from gla_inductor.recognize import loop
-from gla_inductor.recognize.algebra import Analyzer
+from gla_inductor.recognize.forms import loop
+from gla_inductor.recognize.core.analyzer import Analyzer
 
 from helpers import FP32_TOL, check_against_float64, rel_err, rewrite_then_eager
 

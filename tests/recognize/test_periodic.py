@@ -1,4 +1,4 @@
-"""Long loops proven periodic (``recognize/periodic.py``): steps 3 and later are not parsed.
+"""Long loops proven periodic (``recognize/forms/periodic.py``): steps 3 and later are not parsed.
 
 The shortcut must decide exactly what the general path decides. Each program below is
 recognized twice on the same Dynamo graph, with the shortcut and without it (every node
@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from gla_inductor.recognize import periodic, rewrite_graph
-from gla_inductor.recognize.algebra import Analyzer
-from gla_inductor.recognize import loop
+from gla_inductor.recognize import rewrite_graph
+from gla_inductor.recognize.forms import periodic
+from gla_inductor.recognize.core.analyzer import Analyzer
+from gla_inductor.recognize.forms import loop
 from spellings import NEAR_MISSES, SPELLINGS
 
 B, T, H, K, V = 2, 12, 2, 4, 3

@@ -121,7 +121,7 @@ def test_internal_failure_compiles_unchanged(monkeypatch):
 
 def test_failed_replacement_is_undone(monkeypatch):
     """A match whose emission fails is rolled back; the graph still compiles and is exact."""
-    from gla_inductor.recognize import emit
+    from gla_inductor.recognize.core import emit
 
     real = emit.Emitter.call
 
@@ -166,7 +166,7 @@ def test_verify_mode_accepts_and_refuses(monkeypatch):
             o, ht = real(*a)
             return o * 2, ht
 
-        from gla_inductor.recognize import emit
+        from gla_inductor.recognize.core import emit
 
         call = emit.Emitter.call
         monkeypatch.setattr(emit.Emitter, "call", lambda self, t, *a, **k: call(self, wrong if t is real else t, *a, **k))

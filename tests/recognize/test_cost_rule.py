@@ -1,0 +1,58 @@
+"""The cost rule: short steps without gradients are left to Inductor where the model says the
+rewrite loses, with the estimate in explain's reason; long sequences and training are rewritten."""
+
+import pytest
+import torch
+
+import gla_inductor
+from gla_inductor import cost
+
+pytestmark = pytest.mark.usefixtures("cost_rule")
+
+
+def _decode(q, k, v, g, cache):
+    S = cache * g.exp()[..., None] + k[..., None] * v[..., None, :]
+    cache.copy_(S)
+    return (q[..., None] * S).sum(-2)
+
+
+def _loop(q, k, v, g):
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    out = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        out.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(out, 1)
+
+
+def test_cpu_decode_is_left_to_inductor_with_the_estimate():
+    B, H, K, V = 4, 8, 32, 32
+    q, k, g = (torch.randn(B, H, K) for _ in range(3))
+    v, cache = torch.randn(B, H, V), torch.randn(B, H, K, V)
+    with torch.no_grad():
+        report = gla_inductor.explain(_decode, q, k, v, torch.nn.functional.logsigmoid(g), cache.clone())
+    assert report.matches == []
+    reasons = [nm.reason for nm in report.near_misses]
+    assert any(r.startswith("left to Inductor: T = 1, B·H = 32, K = 32, V = 32 on cpu, estimated") for r in reasons)
+
+
+def test_long_loops_and_training_are_rewritten():
+    q, k, v, g = (torch.randn(2, 80, 2, 8) for _ in range(4))
+    g = torch.nn.functional.logsigmoid(g)
+    assert len(gla_inductor.explain(_loop, q, k, v, g).matches) == 1  # T = 80
+    short = [x[:, :4].clone().requires_grad_() for x in (q, k, v, g)]
+    assert len(gla_inductor.explain(_loop, *short).matches) == 1  # T = 4, with gradients
+
+
+def test_model_decisions():
+    decode = dict(form="decode", steps=1, K=128, V=128, needs_grad=False)
+    for device in ("cpu", "cuda"):
+        for bh in (16 * 32, 256 * 32):
+            assert cost.unprofitable_reason(cost.Candidate(batch_heads=bh, device=device, **decode)) is not None
+    long = cost.Candidate(form="loop", steps=512, batch_heads=8, K=64, V=64, device="cpu", needs_grad=False)
+    assert cost.unprofitable_reason(long) is None
+    unknown = cost.Candidate(form="decode", steps=None, batch_heads=8, K=64, V=64, device="cpu", needs_grad=False)
+    assert cost.unprofitable_reason(unknown) is None
+    est = cost.estimate(cost.Candidate(batch_heads=128 * 32, device="cuda", **decode))
+    assert est.ours_ms > est.inductor_ms
