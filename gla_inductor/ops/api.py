@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..contract import GLACall, LayoutWarning, validate_gate, validate_inputs
+from ..contract import GLACall, LayoutWarning, validate_gate, validate_inputs, validate_varlen
 from ..gates import GateFn
 from .chunk import run_chunk_gla
 from .recurrent import fused_recurrent  # noqa: F401  (defines the op called below)
@@ -47,6 +47,7 @@ def chunk_gla(
     gate_hi: Optional[float] = None,
     gate_a: Optional[Tensor] = None,
     gate_bias: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Gated linear attention, FLA-compatible.
 
@@ -67,19 +68,28 @@ def chunk_gla(
             (scalar gate) or [H, K] (vector gate):
             logsigmoid: g = clamp(logsigmoid(x) * gate_scale, gate_lo, gate_hi)
             softplus:   g = gate_a * clamp(softplus(x + gate_bias), gate_lo, gate_hi)
+        cu_seqlens: packed variable-length sequences (FLA's convention): int32 or int64 offsets
+            [N + 1] on any device, 0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = T; B must be 1 and
+            sequence n is steps cu_seqlens[n] to cu_seqlens[n + 1] - 1 of every input, each run as
+            if alone (from its own initial state, in its own reverse order); initial_state and the
+            final state are [N, H, K, V]. The kernels read the offsets on the GPU (a call can be
+            captured in a CUDA graph); their values are checked where that needs no
+            synchronization with a capturing device (``contract.validate_varlen``).
 
     Returns:
         o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
-        (fp32, fp64 for fp64 inputs) or None.
+        ([N, H, K, V] with cu_seqlens; fp32, fp64 for fp64 inputs) or None.
     """
-    validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True)
+    if cu_seqlens is not None:
+        validate_varlen(q, cu_seqlens, initial_state)
+    validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True, cu_seqlens=cu_seqlens)
     _warn_if_head_first(q)
     fn = GateFn(gate_fn or "", float(gate_scale), _opt_float(gate_lo), _opt_float(gate_hi))
     validate_gate(fn, q, g, gate_a, gate_bias)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     call = GLACall(q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse), fn,
-                   gate_a, gate_bias)
+                   gate_a, gate_bias, cu_seqlens)
     o, ht = run_chunk_gla(call)
     return o, (ht if output_final_state else None)
 

@@ -55,11 +55,14 @@ def _chunk_fwd_impl(
     gate_hi: Optional[float] = None,
     gate_a: Optional[Tensor] = None,
     gate_bias: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """GLA forward. Returns (o [B, T, H, V], final state [B, H, K, V], or [0] when not requested).
 
     q, k may be [B, T, G, K] with G dividing v's H heads: head h reads q/k head h // (H // G).
-    With ``gate_fn``, g holds the input of that gate function (``gla_inductor.gates``)."""
+    With ``gate_fn``, g holds the input of that gate function (``gla_inductor.gates``). With
+    ``cu_seqlens`` [N + 1], B is 1 and holds N packed sequences; initial and final states are
+    [N, H, K, V]."""
     return dispatch.chunk_fwd(GLACall.from_op_args(tuple(locals().values())))  # the parameters, in order
 
 
@@ -74,7 +77,8 @@ def _chunk_fwd_fake(*args, **kwargs):
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]  # q and k may have fewer heads than v (grouped)
     o = q.new_empty(B, T, H, V, dtype=call.output_dtype)
-    ht = q.new_empty((B, H, K, V) if call.output_final_state else (0,), dtype=call.state_dtype)
+    N = call.num_sequences  # B, or the packed sequences
+    ht = q.new_empty((N, H, K, V) if call.output_final_state else (0,), dtype=call.state_dtype)
     return o, ht
 
 
@@ -100,11 +104,12 @@ def _chunk_bwd_impl(
     gate_hi: Optional[float] = None,
     gate_a: Optional[Tensor] = None,
     gate_bias: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """GLA backward, recomputing the states from the inputs.
 
     Returns (dq, dk, dv, dg, dg_gamma, dh0), each shaped like its input (dq, dk grouped like q, k);
-    [0] for an absent input.
+    [0] for an absent input. With ``cu_seqlens``, dht and dh0 are [N, H, K, V] like the states.
     With ``gate_fn``, dg is the gradient w.r.t. g itself, like g, for a function without parameters
     (``GateFn.input_grad``: the kernels apply its derivative as they store dg); otherwise the gradient
     w.r.t. the log gate, in the compute dtype (fp32 or fp64), which ``gates.gate_grads`` turns into
@@ -139,16 +144,16 @@ def _chunk_bwd_fake(*args, **kwargs):
 def _chunk_fwd_setup_context(ctx, inputs, output):
     call = GLACall.from_op_args(inputs)
     ctx.save_for_backward(call.q, call.k, call.v, call.g, call.g_gamma, call.initial_state, call.gate_a,
-                          call.gate_bias)
+                          call.gate_bias, call.cu_seqlens)
     # the call without its tensors, which come back from saved_tensors
     ctx.call = call.replace(q=None, k=None, v=None, g=None, g_gamma=None, initial_state=None, gate_a=None,
-                            gate_bias=None)
+                            gate_bias=None, cu_seqlens=None)
 
 
 def _saved_call(ctx) -> GLACall:
-    q, k, v, g, g_gamma, initial_state, gate_a, gate_bias = ctx.saved_tensors
+    q, k, v, g, g_gamma, initial_state, gate_a, gate_bias, cu_seqlens = ctx.saved_tensors
     return ctx.call.replace(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, gate_a=gate_a,
-                            gate_bias=gate_bias)
+                            gate_bias=gate_bias, cu_seqlens=cu_seqlens)
 
 
 def _chunk_fwd_backward(ctx, do, dht, bwd: Optional[Callable] = None):
@@ -170,6 +175,7 @@ def _chunk_fwd_backward(ctx, do, dht, bwd: Optional[Callable] = None):
     def present(grad, x):
         return None if x is None else grad
 
+    # none for cu_seqlens (integer offsets) or the non-tensor arguments
     by_name = dict(q=dq, k=dk, v=dv, g=present(dg, call.g), g_gamma=present(dg_gamma, call.g_gamma),
                    initial_state=present(dh0, call.initial_state), gate_a=da, gate_bias=dbias)
     return tuple(by_name.get(name) for name in _FWD_ARG_NAMES)
@@ -194,6 +200,7 @@ class _EagerChunkGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as through the op
+        ctx.num_inputs = len(inputs)  # with or without cu_seqlens
         o, ht = _chunk_fwd_impl(*inputs)
         _chunk_fwd_setup_context(ctx, inputs, (o, ht))
         if not ctx.call.output_final_state:
@@ -203,7 +210,7 @@ class _EagerChunkGLA(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        return _chunk_fwd_backward(ctx, do, dht, bwd=_chunk_bwd_impl)
+        return _chunk_fwd_backward(ctx, do, dht, bwd=_chunk_bwd_impl)[:ctx.num_inputs]
 
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)

@@ -61,8 +61,9 @@ def _recurrent_unsupported_reason(call: GLACall, state_out: Optional[Tensor] = N
 
 
 def routes_to_recurrent(call: GLACall) -> bool:
-    """Whether chunk_fwd runs a CUDA call on the fused recurrent kernel."""
-    return 0 < call.q.shape[1] <= RECURRENT_MAX_T and _recurrent_unsupported_reason(call) is None
+    """Whether chunk_fwd runs a CUDA call on the fused recurrent kernel (not for packed sequences,
+    whose lengths it cannot see)."""
+    return not call.varlen and 0 < call.q.shape[1] <= RECURRENT_MAX_T and _recurrent_unsupported_reason(call) is None
 
 
 # ----------------------------------------------------------------------------------------------
