@@ -21,11 +21,18 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
               dual carry, dqkg). A long sequence with few heads cuts each carry's walk into
               segments walked in parallel (``carry_segments``), one more launch per carry.
 
+Packed sequences (``call.cu_seqlens``) run the fused schedule only, whatever the config says: the
+scans take one program per (V tile, sequence * head), each walking its own sequence's chunks from
+offsets read on the device; gla_chunk_bwd_dqkg runs over state slots (``varlen_state_slots``),
+whose sequences torch ops find on the device too. Nothing reads the offsets on the host, so a
+packed call can be captured in a CUDA graph. The local and split schedules stay fixed-length.
+
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
 / ``chunk_bwd`` custom ops for a ``GLACall``. They run on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1``; ``configs.unsupported_reason`` says where they do not apply.
 """
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -38,7 +45,7 @@ from .configs import (MAX_GRID_YZ, ChunkConfig, TileConfig, carry_options, defau
                       unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
-__all__ = ["backward", "chunk_grid", "forward", "scan_grid", "unsupported_reason"]
+__all__ = ["backward", "chunk_grid", "forward", "scan_grid", "unsupported_reason", "varlen_state_slots"]
 
 
 def scan_grid(B: int, H: int, V: int, block_v: int, segments: int = 1) -> tuple[int, int, int]:
@@ -62,6 +69,28 @@ def chunk_grid(B: int, T: int, H: int, block_t: int, n_tiles: int) -> tuple[int,
     batch*head) is its own program, B * H * NT * n_tiles in all.
     """
     return (n_tiles, math.ceil(T / block_t), B * H)
+
+
+def varlen_state_slots(cu_seqlens: Tensor, T: int, block_t: int) -> Tensor:
+    """The sequence that owns each per-chunk state slot of a packed call, int32 [T // BT + N], -1
+    for a slot without a chunk; computed by torch ops on cu_seqlens's device, without reading it on
+    the host.
+
+    Sequence n (steps bos_n to eos_n - 1) keeps its NT_n = cdiv(eos_n - bos_n, BT) chunks' states
+    at slots bos_n // BT + n onwards (gla_chunk_scan's c0). They never overlap the next sequence's:
+    bos_n // BT + NT_n <= eos_n // BT + 1, since NT_n <= (eos_n - bos_n) // BT + 1; and the last
+    slot used is below T // BT + N. So the slots are known from the shapes (for CUDA graphs and
+    compiled graphs), at most N more than the chunks of one sequence of T steps.
+    """
+    N = cu_seqlens.shape[0] - 1
+    offsets = cu_seqlens.to(torch.int64)
+    bos, eos = offsets[:-1], offsets[1:]
+    first = bos // block_t + torch.arange(N, device=offsets.device)
+    end = first + (eos - bos + block_t - 1) // block_t  # non-decreasing: the slots do not overlap
+    slots = torch.arange(T // block_t + N, device=offsets.device)
+    owner = torch.searchsorted(end, slots, right=True)  # the first sequence ending after the slot
+    ok = (owner < N) & (slots >= first[owner.clamp(max=N - 1)])
+    return torch.where(ok, owner, -1).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,11 +119,17 @@ class _Launcher:
         # every kernel that reads g also reads the fused gate's parameters (None unless "softplus")
         self.gates = dict(g=call.g, g_gamma=call.g_gamma, gate_a=call.gate_a, gate_bias=call.gate_bias)
         self.options = kernel_options(cfg, call.q.dtype, self.K, call.gate_kind, call.scale, call.reverse,
-                                      interpreting(), call.gate, call.group_size)
+                                      interpreting(), call.gate, call.group_size, call.varlen)
+        # packed sequences: the scans run one program per sequence (N of them) and read the offsets
+        self.N = call.num_sequences
+        self.cu_seqlens = None if not call.varlen else call.cu_seqlens.to(self.device, non_blocking=True)
 
     def states(self) -> Tensor:
-        """An uninitialized [B, NT, H, K, V] per-chunk state buffer."""
+        """An uninitialized [B, NT, H, K, V] per-chunk state buffer; [1, T // BT + N, H, K, V] for
+        packed sequences (``varlen_state_slots``)."""
         NT = math.ceil(self.T / self.cfg.block_t)
+        if self.cu_seqlens is not None:
+            NT = self.T // self.cfg.block_t + self.N
         return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
 
     def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
@@ -106,8 +141,9 @@ class _Launcher:
         store_ht = ht is not None and ht.numel() > 0
         options = dict(scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                     use_h0=h0 is not None, store_ht=store_ht), BV=tiles.block_v)
-        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None)
-        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
+        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None,
+                       cu_seqlens=self.cu_seqlens)
+        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.N, self.H, self.V, tiles.block_v), tiles)
 
     def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """gla_chunk_local: (qs, ks, A, dl), see the template."""
@@ -158,6 +194,11 @@ class _Launcher:
         options = dict(self.options, BK=block_k, BV=tiles.block_v)
         grid = chunk_grid(self.B, self.T, self.H, self.cfg.block_t, math.ceil(self.K / block_k))
         tensors = dict(q=q, k=k, v=v, **self.gates, do=do, h=h, dh=dh, dk=dk, dg=dg)
+        if self.cu_seqlens is not None:
+            # (slots, K tiles, H): see the template
+            grid = (h.shape[1], grid[0], self.H)
+            tensors.update(cu_seqlens=self.cu_seqlens,
+                           chunk_seq=varlen_state_slots(self.cu_seqlens, self.T, self.cfg.block_t))
         _launch("gla_chunk_bwd_dqkg", options, tensors, dq, grid, tiles)
 
 
@@ -172,12 +213,16 @@ def _head_grad(x: Tensor, v: Tensor) -> Tensor:
 
 
 def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, ChunkConfig]:
-    """The call with q, k, v in their promoted dtype (copies only when they differ), and the config."""
+    """The call with q, k, v in their promoted dtype (copies only when they differ), and the config
+    (the fused schedule for packed sequences)."""
     dtype = call.output_dtype
     call = call.replace(q=call.q.to(dtype), k=call.k.to(dtype), v=call.v.to(dtype))
-    B, T, _, K = call.q.shape
+    _, T, _, K = call.q.shape
     H, V = call.v.shape[2], call.v.shape[-1]
-    cfg = config or default_config(B, T, H, K, V, dtype, call.gate_kind == "vector", call.q.device)
+    cfg = config or default_config(call.num_sequences, T, H, K, V, dtype, call.gate_kind == "vector", call.q.device,
+                                   call.varlen)
+    if call.varlen:
+        cfg = dataclasses.replace(cfg, local=False, split=False, segments=1)
     return call, cfg
 
 
@@ -190,7 +235,7 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
     o = q.new_empty(B, T, H, V)
-    ht = q.new_empty((B, H, K, V) if call.output_final_state else (0,), dtype=torch.float32)
+    ht = q.new_empty((call.num_sequences, H, K, V) if call.output_final_state else (0,), dtype=torch.float32)
     if T == 0:
         if call.output_final_state:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))

@@ -110,6 +110,8 @@ def _meta(x) -> Optional[_Meta]:
 
 def _why_not(call: GLACall) -> Optional[str]:
     """None when the templates can run the call (of IR nodes), else the reason to fall back."""
+    if call.cu_seqlens is not None:
+        return "packed sequences (cu_seqlens): the eager op runs the kernels, without host synchronization"
     q, v = call.q, call.v
     device = q.get_device()
     if device.type == "cpu" and inductor_config.cpu_backend != "triton":
