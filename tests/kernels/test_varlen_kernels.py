@@ -1,0 +1,159 @@
+"""Packed variable-length sequences (``cu_seqlens``) on the chunked GLA Triton kernels: the fused
+scan's forward, states and dual modes and the chunk-parallel dq/dk/dg kernel over state slots.
+
+Through the public ``chunk_gla`` with the ops routed to their GPU path (``dispatch.chunk_fwd_gpu``
+/ ``chunk_bwd_gpu``: the kernels, under the Triton interpreter on CPU), against each sequence run
+alone through the float64 time loop: values, final states, every gradient. Shapes are small: the
+interpreter runs every program in Python.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import gla_inductor
+from gla_inductor.contract import GLACall
+from gla_inductor.impl import chunked
+from gla_inductor.kernels import chunk as chunk_kernels
+from gla_inductor.kernels.configs import default_config
+from gla_inductor.ops import dispatch
+from varlen_packing import C, EDGE_LENGTHS, assert_matches, make, offsets, random_lengths, reference, rel_err
+
+triton = pytest.importorskip("triton")
+ON_GPU = torch.cuda.is_available()
+KERNELS_RUN_HERE = ON_GPU or type(triton.language.cumsum).__name__ == "InterpretedFunction"
+pytestmark = [pytest.mark.skipif(not KERNELS_RUN_HERE, reason="triton was imported without TRITON_INTERPRET=1"),
+              pytest.mark.usefixtures("one_thread")]
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The ops run the kernels whatever the device (CPU tensors: the interpreter), and never the
+    PyTorch fallback, which would hide a kernel that did not run."""
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the call fell back to the PyTorch implementation")
+
+    monkeypatch.setattr(dispatch, "chunk_fwd", dispatch.chunk_fwd_gpu)
+    monkeypatch.setattr(dispatch, "chunk_bwd", dispatch.chunk_bwd_gpu)
+    monkeypatch.setattr(dispatch.chunked, "forward", no_fallback)
+    monkeypatch.setattr(dispatch.chunked, "backward", no_fallback)
+
+
+def _on_device(p):
+    if ON_GPU:
+        for name, x in p.leaves.items():
+            setattr(p, name, x.detach().cuda().requires_grad_())
+            p.leaves[name] = getattr(p, name)
+        p.cu_seqlens = p.cu_seqlens.cuda()
+    return p
+
+
+def test_chunk_length_is_the_edge_cases():
+    cfg = default_config(1, 1000, 2, 16, 16, torch.float32, True, torch.device("cpu"), True)
+    assert cfg.block_t == C == chunked.BT and not cfg.local and not cfg.split
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("gate", ["vector", "scalar", "constant", "none"])
+def test_packed_matches_each_sequence_alone(kernels, gate, reverse):
+    p = _on_device(make(random_lengths(seed=len(gate) + reverse, extra=1), gate=gate, reverse=reverse, H=1, K=16,
+                        V=16))
+    o, ht = p.run(gla_inductor.chunk_gla)
+    assert_matches(p, o, ht, tol=1e-4)
+
+
+def test_grouped_heads_and_fused_gate(kernels):
+    p = _on_device(make([C + 1, 0, 7, C - 1], gate="vector", H=2, G=1, K=16, V=16, gate_fn="logsigmoid",
+                        reverse=True))
+    o, ht = p.run(gla_inductor.chunk_gla)
+    assert_matches(p, o, ht, tol=1e-4)
+
+
+def test_softplus_gate_and_int64_offsets(kernels):
+    p = _on_device(make([1, C, 30], gate="scalar", K=16, V=16, gate_fn="softplus", offsets_dtype=torch.int64))
+    o, ht = p.run(gla_inductor.chunk_gla)
+    assert_matches(p, o, ht, tol=1e-4)
+
+
+def test_bfloat16(kernels):
+    p = _on_device(make([C + 1, 20], gate="vector", K=16, V=16, dtype=torch.bfloat16))
+    o, ht = p.run(gla_inductor.chunk_gla)
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    assert_matches(p, o, ht, tol=2e-2)
+
+
+def test_short_packed_call_runs_the_chunked_kernels(kernels):
+    # 7 steps in all: a fixed-length call this short would take the recurrent kernel
+    p = _on_device(make([3, 0, 4], gate="scalar", K=16, V=16))
+    o, ht = p.run(gla_inductor.chunk_gla)
+    assert_matches(p, o, ht, tol=1e-4)
+
+
+def test_local_and_split_configs_run_the_fused_schedule():
+    p = make([C + 3, 9], gate="vector", K=16, V=16, h0=True)
+    call = GLACall(p.q.detach(), p.k.detach(), p.v.detach(), p.g.detach(), None, p.h0.detach(), p.scale, True,
+                   cu_seqlens=p.cu_seqlens)
+    base = default_config(2, 76, 2, 16, 16, torch.float32, True, torch.device("cpu"))
+    for cfg in (dataclasses.replace(base, local=True, segments=2), dataclasses.replace(base, split=True)):
+        o, ht = chunk_kernels.forward(call, cfg)
+        ref_o, ref_ht = reference(p)
+        assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_state_slots_hold_every_chunk_once(seed):
+    lengths = random_lengths(seed, extra=5, longest=5 * C)
+    BT = [16, 32, 64][seed % 3]
+    cu = offsets(lengths, torch.int64)
+    T = sum(lengths)
+    slots = chunk_kernels.varlen_state_slots(cu, T, BT)
+    assert slots.dtype == torch.int32 and slots.shape == (T // BT + len(lengths),)
+    expected = torch.full_like(slots, -1)
+    for n, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+        first = start // BT + n
+        chunks = math.ceil((end - start) / BT)
+        assert (expected[first:first + chunks] == -1).all()  # no two sequences share a slot
+        expected[first:first + chunks] = n
+    assert torch.equal(slots, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_cuda_graph_capture_reads_new_offsets():
+    """A packed forward and backward captured once, replayed with other offsets (same count) and
+    inputs: the kernels read the offsets on the device, nothing on the host."""
+    lengths = [EDGE_LENGTHS[i % 5] + 37 * i for i in range(6)]
+    p = _on_device(make(lengths, gate="vector", H=4, K=64, V=64, dtype=torch.bfloat16, reverse=False))
+    static = {n: x.detach().clone().requires_grad_() for n, x in p.leaves.items()}
+    cu = p.cu_seqlens.clone()
+
+    def step():
+        o, ht = gla_inductor.chunk_gla(static["q"], static["k"], static["v"], static["g"], scale=p.scale,
+                                       initial_state=static["h0"], output_final_state=True, cu_seqlens=cu)
+        loss = o.float().square().sum() + ht.square().sum()
+        return (o, ht, *torch.autograd.grad(loss, list(static.values())))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+
+    lengths2 = lengths[::-1]
+    p2 = _on_device(make(lengths2, gate="vector", H=4, K=64, V=64, dtype=torch.bfloat16, seed=1))
+    for n, x in p2.leaves.items():
+        static[n].data.copy_(x.detach())
+    cu.copy_(p2.cu_seqlens)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_o, ref_ht = reference(p2)
+    assert rel_err(outs[0], ref_o) < 2e-2 and rel_err(outs[1], ref_ht) < 2e-2
+    eager = step()
+    for replayed, direct in zip(outs, eager):
+        assert rel_err(replayed, direct) < 1e-3
