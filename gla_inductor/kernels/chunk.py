@@ -24,7 +24,7 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
 Packed sequences (``call.cu_seqlens``) run the fused schedule only, whatever the config says: the
 scans take one program per (V tile, sequence * head), each walking its own sequence's chunks from
 offsets read on the device; gla_chunk_bwd_dqkg runs over state slots (``varlen_state_slots``),
-whose sequences torch ops find on the device too. Nothing reads the offsets on the host, so a
+each program finding its sequence in the offsets. Nothing reads the offsets on the host, so a
 packed call can be captured in a CUDA graph. The local and split schedules stay fixed-length.
 
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
@@ -71,26 +71,17 @@ def chunk_grid(B: int, T: int, H: int, block_t: int, n_tiles: int) -> tuple[int,
     return (n_tiles, math.ceil(T / block_t), B * H)
 
 
-def varlen_state_slots(cu_seqlens: Tensor, T: int, block_t: int) -> Tensor:
-    """The sequence that owns each per-chunk state slot of a packed call, int32 [T // BT + N], -1
-    for a slot without a chunk; computed by torch ops on cu_seqlens's device, without reading it on
-    the host.
+def varlen_state_slots(T: int, N: int, block_t: int) -> int:
+    """The per-chunk state slots of a packed call of N sequences, T steps in all: T // BT + N.
 
     Sequence n (steps bos_n to eos_n - 1) keeps its NT_n = cdiv(eos_n - bos_n, BT) chunks' states
-    at slots bos_n // BT + n onwards (gla_chunk_scan's c0). They never overlap the next sequence's:
-    bos_n // BT + NT_n <= eos_n // BT + 1, since NT_n <= (eos_n - bos_n) // BT + 1; and the last
-    slot used is below T // BT + N. So the slots are known from the shapes (for CUDA graphs and
-    compiled graphs), at most N more than the chunks of one sequence of T steps.
+    at slots bos_n // BT + n onwards (gla_chunk_scan's c0), which never overlap the next
+    sequence's: bos_n // BT + NT_n <= eos_n // BT + 1, since NT_n <= (eos_n - bos_n) // BT + 1; and
+    the last slot used is below T // BT + N. So the kernels place every chunk from the offsets
+    alone, and the buffers are sized from the shapes (for CUDA graphs and compiled graphs); a slot
+    may hold no chunk (gla_chunk_bwd_dqkg's program for it exits).
     """
-    N = cu_seqlens.shape[0] - 1
-    offsets = cu_seqlens.to(torch.int64)
-    bos, eos = offsets[:-1], offsets[1:]
-    first = bos // block_t + torch.arange(N, device=offsets.device)
-    end = first + (eos - bos + block_t - 1) // block_t  # non-decreasing: the slots do not overlap
-    slots = torch.arange(T // block_t + N, device=offsets.device)
-    owner = torch.searchsorted(end, slots, right=True)  # the first sequence ending after the slot
-    ok = (owner < N) & (slots >= first[owner.clamp(max=N - 1)])
-    return torch.where(ok, owner, -1).to(torch.int32)
+    return T // block_t + N
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +120,7 @@ class _Launcher:
         packed sequences (``varlen_state_slots``)."""
         NT = math.ceil(self.T / self.cfg.block_t)
         if self.cu_seqlens is not None:
-            NT = self.T // self.cfg.block_t + self.N
+            NT = varlen_state_slots(self.T, self.N, self.cfg.block_t)
         return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
 
     def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
@@ -197,8 +188,7 @@ class _Launcher:
         if self.cu_seqlens is not None:
             # (slots, K tiles, H): see the template
             grid = (h.shape[1], grid[0], self.H)
-            tensors.update(cu_seqlens=self.cu_seqlens,
-                           chunk_seq=varlen_state_slots(self.cu_seqlens, self.T, self.cfg.block_t))
+            tensors.update(cu_seqlens=self.cu_seqlens)
         _launch("gla_chunk_bwd_dqkg", options, tensors, dq, grid, tiles)
 
 

@@ -8,8 +8,6 @@ interpreter runs every program in Python.
 """
 
 import dataclasses
-import math
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from gla_inductor.impl import chunked
 from gla_inductor.kernels import chunk as chunk_kernels
 from gla_inductor.kernels.configs import default_config
 from gla_inductor.ops import dispatch
-from varlen_packing import C, EDGE_LENGTHS, assert_matches, make, offsets, random_lengths, reference, rel_err
+from varlen_packing import C, EDGE_LENGTHS, assert_matches, make, random_lengths, reference, rel_err
 
 triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
@@ -103,21 +101,27 @@ def test_local_and_split_configs_run_the_fused_schedule():
         assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_state_slots_hold_every_chunk_once(seed):
-    lengths = random_lengths(seed, extra=5, longest=5 * C)
-    BT = [16, 32, 64][seed % 3]
-    cu = offsets(lengths, torch.int64)
-    T = sum(lengths)
-    slots = chunk_kernels.varlen_state_slots(cu, T, BT)
-    assert slots.dtype == torch.int32 and slots.shape == (T // BT + len(lengths),)
-    expected = torch.full_like(slots, -1)
-    for n, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
-        first = start // BT + n
-        chunks = math.ceil((end - start) / BT)
-        assert (expected[first:first + chunks] == -1).all()  # no two sequences share a slot
-        expected[first:first + chunks] = n
-    assert torch.equal(slots, expected)
+@pytest.mark.parametrize("block_t", [16, 32])
+def test_short_chunks_find_their_sequences(block_t):
+    """Many short sequences in chunks of 16 or 32 steps: state slots without a chunk among those
+    with one, which gla_chunk_bwd_dqkg's programs tell apart by searching the offsets."""
+    lengths = [0, 5, 16, 17, 0, 0, 33, 1, 31, 2]
+    p = make(lengths, gate="scalar", H=1, K=16, V=16, reverse=block_t == 32, seed=block_t)
+    leaves = {n: x.detach() for n, x in p.leaves.items()}
+    call = GLACall(leaves["q"], leaves["k"], leaves["v"], leaves["g"], None, leaves["h0"], p.scale, True, p.reverse,
+                   cu_seqlens=p.cu_seqlens)
+    cfg = dataclasses.replace(default_config(1, sum(lengths), 1, 16, 16, torch.float32, False, torch.device("cpu"),
+                                             True), block_t=block_t)
+    assert chunk_kernels.varlen_state_slots(sum(lengths), len(lengths), block_t) == sum(lengths) // block_t + 10
+    o, ht = chunk_kernels.forward(call, cfg)
+    gen = torch.Generator().manual_seed(2)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    dq, dk, dv, dg, _, dh0 = chunk_kernels.backward(call, do, dht, cfg)
+    ref_o, ref_ht = reference(p)
+    refs = torch.autograd.grad((ref_o * do).sum() + (ref_ht * dht).sum(), [p.q, p.k, p.v, p.g, p.h0])
+    assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
+    for name, mine, theirs in zip(["dq", "dk", "dv", "dg", "dh0"], [dq, dk, dv, dg, dh0], refs):
+        assert rel_err(mine, theirs) < 1e-4, name
 
 
 @pytest.mark.cuda
