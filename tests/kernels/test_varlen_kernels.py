@@ -124,6 +124,40 @@ def test_short_chunks_find_their_sequences(block_t):
         assert rel_err(mine, theirs) < 1e-4, name
 
 
+@pytest.mark.parametrize("gate", ["vector", "constant"])
+def test_compiled_graphs_run_the_templates(inductor_triton, gate):
+    """chunk_gla with cu_seqlens in a compiled graph lowers to the templates (no extern call of the
+    eager op), forward and backward, with the pointwise consumer of o fused into the scan."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    p = _on_device(make([3, 0, C + 6, 5], gate=gate, H=2, G=1 if gate == "constant" else None, K=16, V=16,
+                        reverse=True))
+
+    @torch.compile(fullgraph=True)
+    def fwd(q, k, v, g, g_gamma, h0, cu_seqlens):
+        o, ht = gla_inductor.chunk_gla(q, k, v, g, g_gamma=g_gamma, initial_state=h0, output_final_state=True,
+                                       reverse=True, scale=p.scale, cu_seqlens=cu_seqlens)
+        return o * 2 + 1, ht
+
+    def fwd_bwd():
+        o, ht = fwd(p.q, p.k, p.v, p.g, p.g_gamma, p.h0, p.cu_seqlens)
+        (o.double().sum() + ht.double().square().sum()).backward()
+        return o, ht
+
+    (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    assert not re.search(r"torch\.ops\.gla_inductor\.\w+\.default\(", fwd_code + bwd_code)
+    assert fwd_code.count("GLA chunk scan") == 1 and len(re.findall(r"def (triton_\w+)\(", fwd_code)) == 1
+    assert bwd_code.count("GLA chunk scan") == 2 and bwd_code.count("GLA backward for q, k and the gate") == 1
+    ref_o, ref_ht = reference(p)
+    assert rel_err(o, ref_o * 2 + 1) < 1e-5 and rel_err(ht, ref_ht) < 1e-5
+    leaves = list(p.leaves.values())
+    refs = torch.autograd.grad((ref_o * 2 + 1).sum() + ref_ht.square().sum(), leaves)
+    for name, x, want in zip(p.leaves, leaves, refs):
+        assert rel_err(x.grad, want) < 1e-4, name
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_cuda_graph_capture_reads_new_offsets():
