@@ -70,8 +70,24 @@ def test_grouped_heads_and_fused_gate(kernels):
     assert_matches(p, o, ht, tol=1e-4)
 
 
-def test_softplus_gate_and_int64_offsets(kernels):
-    p = _on_device(make([1, C, 30], gate="scalar", K=16, V=16, gate_fn="softplus", offsets_dtype=torch.int64))
+def test_softplus_gate_int64_offsets_no_initial_state(kernels):
+    p = _on_device(make([1, C, 30], gate="scalar", K=16, V=16, gate_fn="softplus", offsets_dtype=torch.int64,
+                        h0=False))
+    o, ht = p.run(gla_inductor.chunk_gla)
+    assert_matches(p, o, ht, tol=1e-4)
+    o_only, none = gla_inductor.chunk_gla(p.q, p.k, p.v, p.g, **{**p.kwargs(), "output_final_state": False})
+    assert none is None and torch.equal(o_only, o)
+
+
+def test_strided_inputs(kernels):
+    """q, k, v as [1, T, H, D] views of [1, H, T, D] storage: the sequences' offsets go through the
+    time strides."""
+    p = _on_device(make([C + 2, 0, 9], gate="vector", K=16, V=16))
+    for name in ("q", "k", "v"):
+        strided = getattr(p, name).detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        setattr(p, name, strided)
+        p.leaves[name] = strided
+    assert not p.q.is_contiguous()
     o, ht = p.run(gla_inductor.chunk_gla)
     assert_matches(p, o, ht, tol=1e-4)
 
