@@ -233,6 +233,6 @@ def _eager_fast_path(tensors) -> bool:
 def run_chunk_gla(call: GLACall) -> tuple[Tensor, Tensor]:
     """chunk_fwd on a call of tensors, through the op, or the eager fast path where it may."""
     args = call.op_args(full=True)
-    if _eager_fast_path(call.tensors().values()):
+    if _eager_fast_path([*call.tensors().values(), call.cu_seqlens]):
         return _EagerChunkGLA.apply(*args)
     return torch.ops.gla_inductor.chunk_fwd(*args)
