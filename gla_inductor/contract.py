@@ -24,7 +24,7 @@ from torch import Tensor
 from .gates import GateFn, log_gate
 
 __all__ = [
-    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning", "RECURRENT_ARGS", "compute_dtype",
+    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "CHUNK_STATES_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning", "RECURRENT_ARGS", "compute_dtype",
     "gate_kind",
     "group_size", "output_dtype", "repeat_groups", "sum_groups", "validate_gate", "validate_inputs", "validate_varlen",
 ]
@@ -37,6 +37,9 @@ CHUNK_FWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "outp
 CHUNK_BWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "do", "dht", "scale", "reverse",
                   "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias", "cu_seqlens")
 RECURRENT_ARGS = ("q", "k", "v", "g", "g_gamma", "state", "scale", "reverse")
+# chunk_fwd_states: the forward with the prefix states every state_interval steps (inference only)
+CHUNK_STATES_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "state_interval",
+                     "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias", "cu_seqlens")
 
 # Values of the trailing arguments that a call may leave out (the schemas' defaults).
 _DEFAULTS = {"gate_fn": "", "gate_scale": 1.0, "gate_lo": None, "gate_hi": None, "gate_a": None, "gate_bias": None,
@@ -145,6 +148,10 @@ class GLACall:
     def bwd_op_args(self, do, dht) -> tuple:
         """``chunk_bwd``'s positional arguments for the output gradients do and dht."""
         return _positional(CHUNK_BWD_ARGS, self._named(do=do, dht=dht))
+
+    def states_op_args(self, state_interval: int) -> tuple:
+        """``chunk_fwd_states``'s arguments, all of them."""
+        return _positional(CHUNK_STATES_ARGS, self._named(state_interval=int(state_interval)), trim=False)
 
     def recurrent_op_args(self, state) -> tuple:
         """``fused_recurrent``'s arguments: the state it reads and overwrites takes initial_state's place."""

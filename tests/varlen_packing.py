@@ -127,3 +127,26 @@ def assert_matches(p: Packed, o, ht, tol: float) -> None:
     for name, mine, theirs in zip(names, ours, refs):
         assert mine.shape == theirs.shape, name
         assert rel_err(mine, theirs) < tol, (f"d{name}", rel_err(mine, theirs))
+
+
+def assert_prefix_states(p: Packed, states: torch.Tensor, interval: int, tol: float, batched: bool = False) -> None:
+    """states holds, at sequence n's slot cu_seqlens[n] // P + n + j, its state after its first
+    j * P steps (float64 time loop), for j = 0 .. its length // P. With batched, p's sequences are
+    of one length L, run as a batch [N, L], and states [N, L // P + 1] holds them at [n, j]."""
+    T, N = sum(p.lengths), len(p.lengths)
+    shape = (N, p.lengths[0] // interval + 1) if batched else (1, T // interval + N)
+    assert states.shape == (*shape, *p.h0.shape[1:])
+    bounds = p.cu_seqlens.tolist()
+    g = p.g if p.g is None or not p.gate.name else log_gate(p.g, p.gate, p.gate_a, p.gate_bias, torch.float64)
+    for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        for j in range((end - start) // interval + 1):
+            stop = start + j * interval
+
+            def part(x):
+                return None if x is None else x[:, start:stop].detach().double()
+
+            _, want = naive_recurrent_gla(part(p.q), part(p.k), part(p.v), part(g), g_gamma=p.g_gamma,
+                                          scale=p.scale, initial_state=p.h0[n:n + 1].detach().double(),
+                                          output_final_state=True)
+            got = states[n, j] if batched else states[0, start // interval + n + j]
+            assert rel_err(got, want[0]) < tol, (n, j, rel_err(got, want[0]))

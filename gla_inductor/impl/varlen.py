@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..contract import GLACall
 
-__all__ = ["backward", "forward", "one_sequence", "spans"]
+__all__ = ["backward", "forward", "one_sequence", "sequence", "spans", "time_slice"]
 
 
 def spans(call: GLACall) -> list[tuple[int, int]]:
@@ -31,12 +31,16 @@ def _slice(x: Optional[Tensor], start: int, end: int) -> Optional[Tensor]:
     return None if x is None else x[:, start:end]  # time is dim 1 of q, k, v and g alike
 
 
-def _sequence(call: GLACall, n: int, start: int, end: int) -> GLACall:
+def time_slice(call: GLACall, start: int, end: int) -> GLACall:
+    """Steps start to end - 1 of every input (views), the rest of the call as it is."""
+    return call.replace(q=_slice(call.q, start, end), k=_slice(call.k, start, end), v=_slice(call.v, start, end),
+                        g=_slice(call.g, start, end))
+
+
+def sequence(call: GLACall, n: int, start: int, end: int) -> GLACall:
     """Sequence n as a call of its own: [1, end - start] views of the inputs, its initial state."""
     h0 = call.initial_state
-    return call.replace(q=_slice(call.q, start, end), k=_slice(call.k, start, end), v=_slice(call.v, start, end),
-                        g=_slice(call.g, start, end), initial_state=None if h0 is None else h0[n:n + 1],
-                        cu_seqlens=None)
+    return time_slice(call, start, end).replace(initial_state=None if h0 is None else h0[n:n + 1], cu_seqlens=None)
 
 
 def one_sequence(call: GLACall) -> GLACall:
@@ -56,7 +60,7 @@ def forward(call: GLACall, run: Callable[[GLACall], tuple[Tensor, Tensor]]) -> t
     Sequences of length 0 pass their initial state through (run is not called on them)."""
     outs, states = [], []
     for n, (start, end) in enumerate(spans(call)):
-        one = _sequence(call, n, start, end)
+        one = sequence(call, n, start, end)
         if end > start:
             o, ht = run(one)
         else:
@@ -76,7 +80,7 @@ def backward(call: GLACall, do: Tensor, dht: Optional[Tensor],
     convention (an empty [0] for an absent input)."""
     parts = []
     for n, (start, end) in enumerate(spans(call)):
-        one = _sequence(call, n, start, end)
+        one = sequence(call, n, start, end)
         one_dht = None if dht is None else dht[n:n + 1]
         parts.append(run(one, do[:, start:end], one_dht) if end > start else _empty_grads(one, one_dht))
     dq, dk, dv, dg, dg_gamma, dh0 = zip(*parts)

@@ -40,12 +40,14 @@ import torch
 from torch import Tensor
 
 from ..contract import GLACall, sum_groups
+from ..impl import prefix_states
 from .configs import (MAX_GRID_YZ, ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k,
                       faulting_tile, interpreting, kernel_options, local_options, local_terms, scan_options,
                       unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
-__all__ = ["backward", "chunk_grid", "forward", "scan_grid", "unsupported_reason", "varlen_state_slots"]
+__all__ = ["backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
+           "varlen_state_slots"]
 
 
 def scan_grid(B: int, H: int, V: int, block_v: int, segments: int = 1) -> tuple[int, int, int]:
@@ -124,7 +126,7 @@ class _Launcher:
         return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
 
     def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
-             h0=None, h=None, ht=None) -> None:
+             h0=None, h=None, ht=None, hp=None, prefix_interval: int = 0) -> None:
         tiles = self.cfg.states if not write_out else self.cfg.dual if dual else self.cfg.scan
         if self.device.type == "cuda" and faulting_tile(self.options["BK"], tiles, self.options["USE_GK"]):
             raise ValueError(f"gla_inductor: {tiles} for a vector gate with K = {self.K} is known to fault on the "
@@ -132,7 +134,9 @@ class _Launcher:
         store_ht = ht is not None and ht.numel() > 0
         options = dict(scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                     use_h0=h0 is not None, store_ht=store_ht), BV=tiles.block_v)
-        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None,
+        if hp is not None:
+            options["PREFIX_STATES"] = prefix_interval
+        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None, hp=hp,
                        cu_seqlens=self.cu_seqlens)
         _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.N, self.H, self.V, tiles.block_v), tiles)
 
@@ -242,6 +246,26 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
     else:
         run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht)
     return o, ht
+
+
+def forward_with_prefix_states(call: GLACall, interval: int, config: Optional[ChunkConfig] = None
+                               ) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final state [N, H, K, V], prefix states [B, slots, H, K, V] fp32): the forward, also
+    storing every ``interval`` steps (a power of two, at least 16) the state after the steps so far,
+    for prefix caching (``impl.prefix_states`` and gla_chunk_scan's PREFIX_STATES say where). Fused
+    schedule, not reverse."""
+    call, cfg = _prepare(call, config)
+    cfg = dataclasses.replace(cfg, local=False, split=False, segments=1, block_t=min(cfg.block_t, interval))
+    q, k, v = call.q, call.k, call.v
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
+    o = q.new_empty(B, T, H, V)
+    ht = q.new_empty(call.num_sequences, H, K, V, dtype=torch.float32)
+    hp = q.new_empty(*prefix_states.slots(call, interval), H, K, V, dtype=torch.float32)
+    run = _Launcher(cfg, call)
+    run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=call.initial_state, ht=ht, hp=hp,
+             prefix_interval=interval)
+    return o, ht, hp
 
 
 def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[ChunkConfig] = None

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..contract import GLACall, LayoutWarning, validate_gate, validate_inputs, validate_varlen
 from ..gates import GateFn
-from .chunk import run_chunk_gla
+from .chunk import chunk_fwd_states, run_chunk_gla  # noqa: F401  (defines the op called below)
 from .recurrent import fused_recurrent  # noqa: F401  (defines the op called below)
 
 __all__ = ["chunk_gla", "fused_recurrent_gla"]
@@ -48,7 +48,9 @@ def chunk_gla(
     gate_a: Optional[Tensor] = None,
     gate_bias: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
-) -> tuple[Tensor, Optional[Tensor]]:
+    output_prefix_states: bool = False,
+    state_interval: int = 64,
+):
     """Gated linear attention, FLA-compatible.
 
     Args:
@@ -75,10 +77,18 @@ def chunk_gla(
             final state are [N, H, K, V]. The kernels read the offsets on the GPU (a call can be
             captured in a CUDA graph); their values are checked where that needs no
             synchronization with a capturing device (``contract.validate_varlen``).
+        output_prefix_states: also return, for prefix caching, the state after every
+            ``state_interval`` steps (a power of two, at least 16) of every sequence, as a third
+            output (inference only: no gradients; not with reverse). Fixed-length sequences:
+            [B, T // P + 1, H, K, V], [:, j] the state after the first j * P steps ([:, 0] the
+            initial state). Packed: [1, T // P + N, H, K, V], sequence n's state after its first
+            j * P steps at [0, cu_seqlens[n] // P + n + j] for j = 0 .. its length // P (slots
+            between the sequences' are left zero or undefined). fp32 (fp64 for fp64 inputs).
 
     Returns:
         o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
-        ([N, H, K, V] with cu_seqlens; fp32, fp64 for fp64 inputs) or None.
+        ([N, H, K, V] with cu_seqlens; fp32, fp64 for fp64 inputs) or None; then the prefix
+        states where output_prefix_states.
     """
     if cu_seqlens is not None:
         validate_varlen(q, cu_seqlens, initial_state)
@@ -90,8 +100,19 @@ def chunk_gla(
         scale = q.shape[-1] ** -0.5
     call = GLACall(q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse), fn,
                    gate_a, gate_bias, cu_seqlens)
+    if output_prefix_states:
+        _validate_prefix_states(call, state_interval)
+        o, ht, states = torch.ops.gla_inductor.chunk_fwd_states(*call.states_op_args(state_interval))
+        return o, (ht if output_final_state else None), states
     o, ht = run_chunk_gla(call)
     return o, (ht if output_final_state else None)
+
+
+def _validate_prefix_states(call: GLACall, interval) -> None:
+    if not isinstance(interval, int) or interval < 16 or interval & (interval - 1):
+        raise ValueError(f"chunk_gla: state_interval is {interval!r}; expected a power of two, at least 16")
+    if call.reverse:
+        raise ValueError("chunk_gla: output_prefix_states needs reverse=False (prefixes are in time order)")
 
 
 def _opt_float(x) -> Optional[float]:

@@ -13,11 +13,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..contract import CHUNK_BWD_ARGS, GLACall
+from ..contract import CHUNK_BWD_ARGS, CHUNK_STATES_ARGS, GLACall
+from ..impl import prefix_states
 from ..gates import GateFn, gate_grads
 from . import dispatch
 
-__all__ = ["chunk_bwd", "chunk_fwd", "on_first_trace", "run_chunk_gla"]
+__all__ = ["chunk_bwd", "chunk_fwd", "chunk_fwd_states", "on_first_trace", "run_chunk_gla"]
 
 # Called once before the first trace through the fake implementations: the package face installs
 # the loader of the Inductor lowerings here, so that a graph reaching Inductor has them registered
@@ -134,6 +135,50 @@ def _chunk_bwd_fake(*args, **kwargs):
     if call.fused_gate and not call.gate.input_grad:
         grads[3] = call.g.new_empty(call.g.shape, dtype=call.compute_dtype)
     return tuple(grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_fwd_states (inference only: no autograd formula)
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_fwd_states_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor],
+    g_gamma: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    scale: float,
+    state_interval: int,
+    gate_fn: str = "",
+    gate_scale: float = 1.0,
+    gate_lo: Optional[float] = None,
+    gate_hi: Optional[float] = None,
+    gate_a: Optional[Tensor] = None,
+    gate_bias: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The GLA forward (not reverse) with the prefix states, for prefix caching. Returns (o, final
+    state, prefix states): every ``state_interval`` steps the state after the steps so far, fp32,
+    [B, T // P + 1, H, K, V] with slot j after the first j * P steps (slot 0: the initial state);
+    with cu_seqlens [1, T // P + N, H, K, V], sequence n's from slot cu_seqlens[n] // P + n on."""
+    call = GLACall.from_op_args(tuple(locals().values()), names=CHUNK_STATES_ARGS)  # the parameters, in order
+    return dispatch.chunk_fwd_states(call.replace(output_final_state=True), state_interval)
+
+
+chunk_fwd_states = torch.library.custom_op("gla_inductor::chunk_fwd_states", _chunk_fwd_states_impl, mutates_args=())
+
+
+@chunk_fwd_states.register_fake
+def _chunk_fwd_states_fake(*args, **kwargs):
+    named = dict(zip(CHUNK_STATES_ARGS, args), **kwargs)
+    call = GLACall.from_op_args(args, kwargs, names=CHUNK_STATES_ARGS).replace(output_final_state=True)
+    o, ht = _chunk_fwd_fake(*call.op_args())
+    q, v = call.q, call.v
+    hp = q.new_empty(*prefix_states.slots(call, named["state_interval"]), v.shape[2], q.shape[-1], v.shape[-1],
+                     dtype=call.state_dtype)
+    return o, ht, hp
 
 
 # ----------------------------------------------------------------------------------------------

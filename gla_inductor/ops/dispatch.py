@@ -20,11 +20,12 @@ from torch import Tensor
 from .. import config
 from ..contract import GLACall
 from ..gates import gate_grads
-from ..impl import chunked, recurrent, step_loop
+from ..impl import chunked, prefix_states, recurrent, step_loop
 from ..kernels import chunk as chunk_kernels
 from ..kernels import recurrent as recurrent_kernels
 
-__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_fwd", "chunk_fwd_gpu", "chunk_unsupported_reason",
+__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_fwd", "chunk_fwd_gpu", "chunk_fwd_states",
+           "chunk_fwd_states_gpu", "chunk_unsupported_reason",
            "fused_recurrent", "fused_recurrent_gpu", "routes_to_recurrent"]
 
 log = logging.getLogger("gla_inductor")
@@ -102,6 +103,25 @@ def _chunk_fwd_recurrent(call: GLACall) -> tuple[Tensor, Tensor]:
     ht = q.new_empty((B, H, K, v.shape[-1]) if call.output_final_state else (0,), dtype=torch.float32)
     o = recurrent_kernels.forward(call, ht if call.output_final_state else None)
     return o, ht
+
+
+def chunk_fwd_states(call: GLACall, interval: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final state, prefix states): the contract of the ``chunk_fwd_states`` op. On CPU the
+    forward runs block by block (``impl.prefix_states``)."""
+    if call.q.is_cuda:
+        return chunk_fwd_states_gpu(call, interval)
+    return prefix_states.forward(call.with_log_gate(), interval, _chunk_fwd_cpu)
+
+
+def chunk_fwd_states_gpu(call: GLACall, interval: int) -> tuple[Tensor, Tensor, Tensor]:
+    """chunk_fwd_states's GPU route (CPU tensors take it too under TRITON_INTERPRET=1, for tests):
+    the forward scan storing the prefix states, or the PyTorch forward block by block."""
+    reason = chunk_unsupported_reason(call)
+    if reason is None and call.q.shape[1] > 0:  # no steps: nothing to launch, the states are h0
+        return chunk_kernels.forward_with_prefix_states(call, interval)
+    if reason is not None:
+        _note_fallback(reason)
+    return prefix_states.forward(call.with_log_gate(), interval, chunked.forward)
 
 
 def chunk_bwd(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> tuple[Tensor, ...]:

@@ -17,7 +17,8 @@ from gla_inductor.impl import chunked
 from gla_inductor.kernels import chunk as chunk_kernels
 from gla_inductor.kernels.configs import default_config
 from gla_inductor.ops import dispatch
-from varlen_packing import C, EDGE_LENGTHS, assert_matches, make, random_lengths, reference, rel_err
+from varlen_packing import (C, EDGE_LENGTHS, assert_matches, assert_prefix_states, make, random_lengths, reference,
+                            rel_err)
 
 triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
@@ -36,6 +37,8 @@ def kernels(monkeypatch):
 
     monkeypatch.setattr(dispatch, "chunk_fwd", dispatch.chunk_fwd_gpu)
     monkeypatch.setattr(dispatch, "chunk_bwd", dispatch.chunk_bwd_gpu)
+    monkeypatch.setattr(dispatch, "chunk_fwd_states", dispatch.chunk_fwd_states_gpu)
+    monkeypatch.setattr(dispatch.prefix_states, "forward", no_fallback)
     monkeypatch.setattr(dispatch.chunked, "forward", no_fallback)
     monkeypatch.setattr(dispatch.chunked, "backward", no_fallback)
 
@@ -138,6 +141,29 @@ def test_short_chunks_find_their_sequences(block_t):
     assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
     for name, mine, theirs in zip(["dq", "dk", "dv", "dg", "dh0"], [dq, dk, dv, dg, dh0], refs):
         assert rel_err(mine, theirs) < 1e-4, name
+
+
+@pytest.mark.parametrize("interval", [16, C])
+def test_prefix_states(kernels, interval):
+    """The forward scan's prefix states: every interval steps of every packed sequence (interval 16:
+    chunks of 16 steps; C: one state per chunk, the last one where a sequence ends on a chunk edge)."""
+    p = _on_device(make([0, 1, 16, C, C + 17, 33], gate="scalar", H=1, K=16, V=16))
+    with torch.no_grad():
+        o, ht, states = p.run(lambda *a, **kw: gla_inductor.chunk_gla(*a, **kw, output_prefix_states=True,
+                                                                       state_interval=interval))
+    ref_o, ref_ht = reference(p)
+    assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
+    assert_prefix_states(p, states, interval, tol=1e-4)
+
+
+def test_prefix_states_fixed_length(kernels):
+    p = make([40, 40], gate="vector", H=1, K=16, V=16)
+    q, k, v, g = (x.detach().view(2, 40, *x.shape[2:]).to(DEVICE) for x in (p.q, p.k, p.v, p.g))
+    with torch.no_grad():
+        _, _, states = gla_inductor.chunk_gla(q, k, v, g, initial_state=p.h0.detach().to(DEVICE), scale=p.scale,
+                                              output_prefix_states=True, state_interval=16)
+    assert states.shape == (2, 3, 1, 16, 16)
+    assert_prefix_states(p, states.cpu(), 16, tol=1e-4, batched=True)
 
 
 @pytest.mark.parametrize("gate", ["vector", "constant"])

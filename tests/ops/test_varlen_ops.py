@@ -12,7 +12,8 @@ import gla_inductor
 from gla_inductor.contract import GLACall
 from gla_inductor.gates import GateFn
 from gla_inductor.ops import dispatch
-from varlen_packing import EDGE_LENGTHS, assert_matches, make, offsets, random_lengths, reference, rel_err
+from varlen_packing import (EDGE_LENGTHS, assert_matches, assert_prefix_states, make, offsets, random_lengths, reference,
+                            rel_err)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -145,6 +146,55 @@ def test_compiled_fullgraph_matches_eager(fresh_compiler):
     other = offsets([40, 30, 0, 8])
     torch.testing.assert_close(compiled(*inputs[:5], other), loss(*inputs[:5], other))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# prefix states
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", ["vector", "constant"])
+def test_prefix_states_of_packed_sequences(cpu_impl, gate):
+    p = make([0, 1, 16, 17, 40, 32], gate=gate)
+    with torch.no_grad():
+        o, ht, states = gla_inductor.chunk_gla(p.q, p.k, p.v, p.g, **p.kwargs(), output_prefix_states=True,
+                                               state_interval=16)
+    ref_o, ref_ht = reference(p)
+    assert rel_err(o, ref_o) < 1e-5 and rel_err(ht, ref_ht) < 1e-5
+    assert_prefix_states(p, states, 16, tol=1e-5)
+
+
+def test_prefix_states_of_fixed_length_sequences(cpu_impl):
+    p = make([40, 40], gate="scalar")
+    q, k, v, g = (x.detach().view(2, 40, *x.shape[2:]) for x in (p.q, p.k, p.v, p.g))
+    with torch.no_grad():
+        _, _, states = gla_inductor.chunk_gla(q, k, v, g, initial_state=p.h0, scale=p.scale,
+                                              output_prefix_states=True, state_interval=32)
+    assert_prefix_states(p, states, 32, tol=1e-5, batched=True)
+
+
+def test_prefix_states_compile_without_graph_break(fresh_compiler):
+    p = make([20, 0, 33], gate="vector")
+    x = [t.detach() for t in (p.q, p.k, p.v, p.g, p.h0)]
+
+    def prefill(q, k, v, g, h0, cu_seqlens):
+        return gla_inductor.chunk_gla(q, k, v, g, initial_state=h0, cu_seqlens=cu_seqlens, scale=p.scale,
+                                      output_prefix_states=True, state_interval=16)[2]
+
+    states = torch.compile(prefill, fullgraph=True)(*x, p.cu_seqlens)
+    assert not counters["graph_break"]
+    torch.testing.assert_close(states, prefill(*x, p.cu_seqlens))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(state_interval=24), "state_interval is 24; expected a power of two, at least 16"),
+    (dict(state_interval=8), "state_interval is 8"),
+    (dict(reverse=True), "output_prefix_states needs reverse=False"),
+])
+def test_prefix_state_errors(kwargs, message):
+    q = torch.randn(1, 10, 2, 4)
+    with pytest.raises(ValueError, match=message):
+        gla_inductor.chunk_gla(q, q, q, output_prefix_states=True, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
