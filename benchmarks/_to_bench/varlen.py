@@ -3,8 +3,8 @@
     python benchmarks/_to_bench/varlen.py [--out varlen.json] [--rep 50]
 
 Per case (bf16, H = 16, K = V = 128, layout [1, T, H, D] packed), median ms of:
-  * ours packed: ``gla_inductor.chunk_gla`` with cu_seqlens, vector gate (forward, forward + backward)
-    and scalar gate (forward);
+  * ours packed: ``gla_inductor.chunk_gla`` with cu_seqlens, vector gate (forward, forward + backward,
+    forward with the prefix states every 64 steps) and scalar gate (forward);
   * FLA packed (if ``fla`` imports): ``fla.ops.gla.chunk_gla`` and ``fla.ops.simple_gla.chunk_simple_gla``
     with the same cu_seqlens;
   * ours fixed-length at the same total tokens: [N, L] for N equal sequences of L steps, and
@@ -82,6 +82,8 @@ def case_results(lengths: list[int], rep: int) -> dict:
     res["ours_packed_fwd"] = bench(forward_fn(ours, vec, cu_seqlens=cu), rep)
     res["ours_packed_fwdbwd"] = bench(train_fn(ours, vec, cu_seqlens=cu), rep)
     res["ours_packed_scalar_fwd"] = bench(forward_fn(ours, sca, cu_seqlens=cu), rep)
+    # the forward that also stores every sequence's state each 64 steps (prefix caching)
+    res["ours_packed_prefix_states_fwd"] = bench(forward_fn(ours, vec, cu_seqlens=cu, output_prefix_states=True), rep)
     # fixed length at the same tokens: N x L where the sequences are equal, else one sequence of T
     B, L = (N, lengths[0]) if len(set(lengths)) == 1 else (1, T)
     fixed_vec, fixed_sca = inputs(B, L, "vector"), inputs(B, L, "scalar")

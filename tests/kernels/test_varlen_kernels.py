@@ -110,10 +110,10 @@ def test_short_packed_call_runs_the_chunked_kernels(kernels):
 
 
 def test_local_and_split_configs_run_the_fused_schedule():
-    p = make([C + 3, 9], gate="vector", K=16, V=16, h0=True)
+    p = _on_device(make([C + 3, 9], gate="vector", K=16, V=16, h0=True))
     call = GLACall(p.q.detach(), p.k.detach(), p.v.detach(), p.g.detach(), None, p.h0.detach(), p.scale, True,
                    cu_seqlens=p.cu_seqlens)
-    base = default_config(2, 76, 2, 16, 16, torch.float32, True, torch.device("cpu"))
+    base = default_config(2, 76, 2, 16, 16, torch.float32, True, torch.device(DEVICE))
     for cfg in (dataclasses.replace(base, local=True, segments=2), dataclasses.replace(base, split=True)):
         o, ht = chunk_kernels.forward(call, cfg)
         ref_o, ref_ht = reference(p)
@@ -125,16 +125,16 @@ def test_short_chunks_find_their_sequences(block_t):
     """Many short sequences in chunks of 16 or 32 steps: state slots without a chunk among those
     with one, which gla_chunk_bwd_dqkg's programs tell apart by searching the offsets."""
     lengths = [0, 5, 16, 17, 0, 0, 33, 1, 31, 2]
-    p = make(lengths, gate="scalar", H=1, K=16, V=16, reverse=block_t == 32, seed=block_t)
+    p = _on_device(make(lengths, gate="scalar", H=1, K=16, V=16, reverse=block_t == 32, seed=block_t))
     leaves = {n: x.detach() for n, x in p.leaves.items()}
     call = GLACall(leaves["q"], leaves["k"], leaves["v"], leaves["g"], None, leaves["h0"], p.scale, True, p.reverse,
                    cu_seqlens=p.cu_seqlens)
-    cfg = dataclasses.replace(default_config(1, sum(lengths), 1, 16, 16, torch.float32, False, torch.device("cpu"),
+    cfg = dataclasses.replace(default_config(1, sum(lengths), 1, 16, 16, torch.float32, False, torch.device(DEVICE),
                                              True), block_t=block_t)
     assert chunk_kernels.varlen_state_slots(sum(lengths), len(lengths), block_t) == sum(lengths) // block_t + 10
     o, ht = chunk_kernels.forward(call, cfg)
     gen = torch.Generator().manual_seed(2)
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    do, dht = (torch.randn(x.shape, generator=gen).to(DEVICE) for x in (o, ht))
     dq, dk, dv, dg, _, dh0 = chunk_kernels.backward(call, do, dht, cfg)
     ref_o, ref_ht = reference(p)
     refs = torch.autograd.grad((ref_o * do).sum() + (ref_ht * dht).sum(), [p.q, p.k, p.v, p.g, p.h0])
