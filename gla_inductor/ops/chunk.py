@@ -3,7 +3,12 @@
 The ops are opaque to Dynamo and AOTAutograd: the forward graph holds one ``chunk_fwd`` node and
 the backward graph one ``chunk_bwd`` node (through ``register_autograd``), which the lowerings can
 then replace by Triton templates. Their arguments are a ``GLACall`` spelled out by the schemas of
-``contract`` (``CHUNK_FWD_ARGS``, ``CHUNK_BWD_ARGS``); ``dispatch`` runs them.
+``contract`` (``CHUNK_FWD_ARGS``, ``CHUNK_BWD_ARGS``); ``dispatch`` runs them. Packed sequences
+pass their offsets as the trailing ``cu_seqlens``, which has no gradient.
+
+``gla_inductor::chunk_fwd_states`` is the forward that also returns the prefix states (for prefix
+caching; ``CHUNK_STATES_ARGS``), inference only: it has no autograd formula, and Inductor calls it
+as an extern kernel.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The one place that chooses how a GLA op runs, for every device.
 
 ``chunk_fwd`` on CUDA runs short sequences (T <= RECURRENT_MAX_T) on the fused recurrent kernel
-and longer ones on the chunked kernels; its backward always runs the chunked kernels. On CPU both
+and longer ones on the chunked kernels (packed sequences always: the recurrent kernel does not read
+cu_seqlens); its backward always runs the chunked kernels. On CPU both
 run the C++ step loop where it applies (``impl.step_loop``), else the chunked PyTorch algorithm
 (``impl.chunked``), which is also every CUDA call's fallback. ``fused_recurrent`` (the decode op)
-runs the recurrent kernel on CUDA and a PyTorch time loop on CPU. Every fallback's reason is
-logged once.
+runs the recurrent kernel on CUDA and a PyTorch time loop on CPU. ``chunk_fwd_states`` (the
+forward with prefix states) runs the forward scan on CUDA, elsewhere the forward block by block
+(``impl.prefix_states``). Every fallback's reason is logged once.
 """
 
 from __future__ import annotations
