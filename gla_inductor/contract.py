@@ -15,6 +15,7 @@ validation of the public functions' inputs.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -381,7 +382,7 @@ def validate_varlen(q, cu_seqlens, initial_state, *, api: str = "chunk_gla") -> 
     to T, never decreasing (sequences of length 0 are allowed), q [1, T, H, K], initial_state
     [N, H, K, V]. The offsets' values are read where that costs no synchronization with a device
     that may be capturing a CUDA graph: on the CPU, or outside graph capture and compilation (one
-    device-to-host copy per call)."""
+    device-to-host copy for each new offsets tensor: ``_checked_before``)."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{api}: cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -396,8 +397,21 @@ def validate_varlen(q, cu_seqlens, initial_state, *, api: str = "chunk_gla") -> 
     if isinstance(initial_state, Tensor) and initial_state.dim() >= 1 and initial_state.shape[0] != N:
         raise ValueError(f"{api}: initial_state has shape {tuple(initial_state.shape)} but cu_seqlens holds "
                          f"N = {N} sequences; expected initial_state to be [N, H, K, V] with N = {N}")
-    if _offsets_readable(cu_seqlens):
-        _check_offsets(api, cu_seqlens.tolist(), q.shape[1] if isinstance(q, Tensor) and q.dim() == 4 else None)
+    T = q.shape[1] if isinstance(q, Tensor) and q.dim() == 4 else None
+    if _offsets_readable(cu_seqlens) and not _checked_before(cu_seqlens, T):
+        _check_offsets(api, cu_seqlens.tolist(), T)
+        _last_checked[:] = [weakref.ref(cu_seqlens), cu_seqlens._version, T]
+
+
+# The offsets checked last (a weak reference, their version counter, T): the layers of a model
+# called on one packed batch pass the same tensor, whose values are then read once, not once per
+# layer (a GPU tensor's read waits for the device: the host could no longer run ahead of it).
+_last_checked: list = [None, None, None]
+
+
+def _checked_before(cu_seqlens: Tensor, T) -> bool:
+    ref, version, last_T = _last_checked
+    return ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and last_T == T
 
 
 def _offsets_readable(cu_seqlens: Tensor) -> bool:

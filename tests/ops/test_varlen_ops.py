@@ -241,6 +241,25 @@ def test_validation_errors(change, error, message):
     assert message in str(info.value)
 
 
+def test_offsets_are_read_once_per_tensor(monkeypatch):
+    """The layers of a model pass one offsets tensor: its values are read (on a GPU: a wait for the
+    device) once, and again only once it was modified."""
+    from gla_inductor import contract
+
+    reads = []
+    real = contract._check_offsets
+    monkeypatch.setattr(contract, "_check_offsets", lambda *a: reads.append(1) or real(*a))
+    q, cu = torch.randn(1, 10, 2, 4), offsets([4, 6])
+    for _ in range(3):
+        gla_inductor.chunk_gla(q, q, q, cu_seqlens=cu)
+    assert len(reads) == 1
+    cu[1] = 12  # past the end: read again, and refused
+    with pytest.raises(ValueError, match="decreases from 12 to 10"):
+        gla_inductor.chunk_gla(q, q, q, cu_seqlens=cu)
+    gla_inductor.chunk_gla(q, q, q, cu_seqlens=offsets([4, 6]))
+    assert len(reads) == 3
+
+
 def test_edge_lengths_are_the_chunk_edges():
     # the cases above hinge on these: a sequence ending mid-chunk, on a chunk's end, just past it
     from gla_inductor.impl import chunked
