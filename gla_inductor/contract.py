@@ -15,6 +15,7 @@ validation of the public functions' inputs.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -24,23 +25,31 @@ from torch import Tensor
 from .gates import GateFn, log_gate
 
 __all__ = [
-    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning", "RECURRENT_ARGS", "compute_dtype",
+    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "CHUNK_STATES_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning", "RECURRENT_ARGS", "compute_dtype",
     "gate_kind",
-    "group_size", "output_dtype", "repeat_groups", "sum_groups", "validate_gate", "validate_inputs",
+    "group_size", "output_dtype", "repeat_groups", "sum_groups", "validate_gate", "validate_inputs", "validate_varlen",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The ops' schemas, argument by argument (their implementations' signatures must match: a test checks).
 CHUNK_FWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "output_final_state", "reverse",
-                  "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias")
+                  "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias", "cu_seqlens")
 CHUNK_BWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "do", "dht", "scale", "reverse",
-                  "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias")
+                  "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias", "cu_seqlens")
 RECURRENT_ARGS = ("q", "k", "v", "g", "g_gamma", "state", "scale", "reverse", "state_indices")
+# chunk_fwd_states: the forward with the prefix states every state_interval steps (inference only)
+CHUNK_STATES_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "state_interval",
+                     "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias", "cu_seqlens")
 
 # Values of the trailing arguments that a call may leave out (the schemas' defaults).
 _DEFAULTS = {"gate_fn": "", "gate_scale": 1.0, "gate_lo": None, "gate_hi": None, "gate_a": None, "gate_bias": None,
-             "state_indices": None}
+             "cu_seqlens": None, "state_indices": None}
+# The defaulted tails of the schemas, in order: a call's arguments leave out each group whose
+# values are all defaults, from the end (graphs print the op calls; a call without packed sequences
+# or pool indices keeps the arguments it has always had).
+_GATE_GROUP = ("gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias")
+_OPTIONAL_GROUPS = (_GATE_GROUP, ("cu_seqlens",), ("state_indices",))
 
 
 @dataclass(frozen=True, eq=False)  # tensors compare elementwise: a call is equal only to itself
@@ -55,6 +64,9 @@ class GLACall:
     state_indices: [B] int32/int64 slots of a state pool (``fused_recurrent`` only): initial_state is
     then a pool [P, H, K, V] and sequence b reads and writes slot state_indices[b]; an index outside
     [0, P) marks a padded batch entry (output zeros, no slot touched).
+    cu_seqlens: packed sequences, int32/int64 offsets [N + 1] (any device): B == 1, sequence n is
+    steps cu_seqlens[n] to cu_seqlens[n + 1] - 1, run as if alone; initial_state and the final
+    state are then [N, H, K, V].
     """
 
     q: Any
@@ -70,6 +82,7 @@ class GLACall:
     gate_a: Any = None
     gate_bias: Any = None
     state_indices: Any = None
+    cu_seqlens: Any = None
 
     # ---- derived facts --------------------------------------------------------------------------
     @property
@@ -81,6 +94,16 @@ class GLACall:
     def group_size(self) -> int:
         """Heads of v per head of q and k."""
         return group_size(self.q, self.v)
+
+    @property
+    def varlen(self) -> bool:
+        """Whether the call runs packed sequences (``cu_seqlens``)."""
+        return self.cu_seqlens is not None
+
+    @property
+    def num_sequences(self) -> int:
+        """N: the sequences of a packed call, else the batch size B."""
+        return _shape(self.cu_seqlens)[0] - 1 if self.varlen else _shape(self.q)[0]
 
     @property
     def fused_gate(self) -> bool:
@@ -121,16 +144,20 @@ class GLACall:
         fn = self.gate
         return dict(self.tensors(), scale=_number(self.scale), output_final_state=bool(self.output_final_state),
                     reverse=bool(self.reverse), gate_fn=fn.name, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi,
-                    state_indices=self.state_indices, **extra)
+                    cu_seqlens=self.cu_seqlens, state_indices=self.state_indices, **extra)
 
     def op_args(self, full: bool = False) -> tuple:
         """``chunk_fwd``'s positional arguments, the fused gate's left out where they are all
-        defaults (unless ``full``)."""
+        defaults (unless ``full``), cu_seqlens where it is None."""
         return _positional(CHUNK_FWD_ARGS, self._named(), trim=not full)
 
     def bwd_op_args(self, do, dht) -> tuple:
         """``chunk_bwd``'s positional arguments for the output gradients do and dht."""
         return _positional(CHUNK_BWD_ARGS, self._named(do=do, dht=dht))
+
+    def states_op_args(self, state_interval: int) -> tuple:
+        """``chunk_fwd_states``'s arguments, all of them."""
+        return _positional(CHUNK_STATES_ARGS, self._named(state_interval=int(state_interval)), trim=False)
 
     def recurrent_op_args(self, state) -> tuple:
         """``fused_recurrent``'s arguments: the state it reads and overwrites takes initial_state's place;
@@ -151,7 +178,8 @@ class GLACall:
                    initial_state=named.get("initial_state"), scale=named.get("scale", 1.0),
                    output_final_state=bool(named.get("output_final_state", "state" in names)),
                    reverse=bool(named.get("reverse", False)), gate=gate, gate_a=named["gate_a"],
-                   gate_bias=named["gate_bias"], state_indices=named["state_indices"])
+                   gate_bias=named["gate_bias"], cu_seqlens=named.get("cu_seqlens"),
+                   state_indices=named["state_indices"])
 
 
 def _number(x):
@@ -160,12 +188,19 @@ def _number(x):
 
 
 def _positional(names: Sequence[str], named: dict, trim: bool = True) -> tuple:
-    """The arguments in schema order; the fused gate's (the schema's defaulted tail) only when one
-    of them differs from its default, as the op calls of the graphs have always been written."""
+    """The arguments in schema order, each of the schema's defaulted groups (``_OPTIONAL_GROUPS``)
+    left out from the end while all its values are defaults, as the op calls of the graphs have
+    always been written: the fused gate's only where trim, cu_seqlens whenever it is None."""
     args = [named[n] for n in names]
-    tail = [i for i, n in enumerate(names) if n in _DEFAULTS]
-    if trim and tail and all(_is_default(args[i], _DEFAULTS[names[i]]) for i in tail):
-        args = args[:tail[0]]
+    for group in reversed(_OPTIONAL_GROUPS):
+        index = [names.index(n) for n in group if n in names]
+        if not index:  # not a group of this schema
+            continue
+        if index[-1] != len(args) - 1 or group == _GATE_GROUP and not trim:
+            break
+        if not all(_is_default(args[i], _DEFAULTS[names[i]]) for i in index):
+            break
+        args = args[:index[0]]
     return tuple(args)
 
 
@@ -287,9 +322,11 @@ def _check_groups(api: str, q: Tensor, k: Tensor, v: Tensor) -> None:
         f"(grouped heads: head h reads q/k head h // (H / {G}))")
 
 
-def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla", grouped: bool = False) -> None:
+def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla", grouped: bool = False,
+                    cu_seqlens=None) -> None:
     """Clear errors naming the tensor and the shape expected, prefixed by the public function ``api``.
-    With grouped, q and k may have fewer heads than v (a divisor of v's)."""
+    With grouped, q and k may have fewer heads than v (a divisor of v's). With cu_seqlens (checked
+    first by ``validate_varlen``), initial_state holds one state per sequence."""
     named = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "initial_state": initial_state}
     for name, x in named.items():
         if x is not None or name in ("q", "k", "v"):
@@ -317,8 +354,11 @@ def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla
         )
     if g_gamma is not None:
         _check_shape(api, "g_gamma", g_gamma, q, "[H]", (H,))
-    if initial_state is not None:
+    if initial_state is not None and cu_seqlens is None:
         _check_shape(api, "initial_state", initial_state, q, "[B, H, K, V]", (B, H, K, v.shape[-1]))
+    elif initial_state is not None:
+        _check_shape(api, "initial_state", initial_state, q, "[N, H, K, V]",
+                     (cu_seqlens.shape[0] - 1, H, K, v.shape[-1]))
     for name, x in named.items():
         if x is not None and x.device != q.device:
             raise ValueError(
@@ -349,3 +389,60 @@ def validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias,
                                  f"{_shape_str(want)} for g of shape {tuple(g.shape)}")
             if x.device != q.device:
                 raise ValueError(f"{api}: {name} is on {x.device} but q is on {q.device}")
+
+
+def validate_varlen(q, cu_seqlens, initial_state, *, api: str = "chunk_gla") -> None:
+    """Clear errors for packed sequences: cu_seqlens an integer tensor [N + 1] of offsets from 0 up
+    to T, never decreasing (sequences of length 0 are allowed), q [1, T, H, K], initial_state
+    [N, H, K, V]. The offsets' values are read where that costs no synchronization with a device
+    that may be capturing a CUDA graph: on the CPU, or outside graph capture and compilation (one
+    device-to-host copy for each new offsets tensor: ``_checked_before``)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"{api}: cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{api}: cu_seqlens has dtype {cu_seqlens.dtype}; expected int32 or int64 offsets")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{api}: cu_seqlens has shape {tuple(cu_seqlens.shape)}; expected [N + 1], the offsets "
+                         "0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = T of N >= 1 packed sequences")
+    N = cu_seqlens.shape[0] - 1
+    if isinstance(q, Tensor) and q.dim() == 4 and q.shape[0] != 1:
+        raise ValueError(f"{api}: q has shape {tuple(q.shape)}; with cu_seqlens the sequences are packed along "
+                         f"time: expected q to be [1, T, H, K] = {_shape_str((1, 'T', *q.shape[2:]))}")
+    if isinstance(initial_state, Tensor) and initial_state.dim() >= 1 and initial_state.shape[0] != N:
+        raise ValueError(f"{api}: initial_state has shape {tuple(initial_state.shape)} but cu_seqlens holds "
+                         f"N = {N} sequences; expected initial_state to be [N, H, K, V] with N = {N}")
+    T = q.shape[1] if isinstance(q, Tensor) and q.dim() == 4 else None
+    if _offsets_readable(cu_seqlens) and not _checked_before(cu_seqlens, T):
+        _check_offsets(api, cu_seqlens.tolist(), T)
+        _last_checked[:] = [weakref.ref(cu_seqlens), cu_seqlens._version, T]
+
+
+# The offsets checked last (a weak reference, their version counter, T): the layers of a model
+# called on one packed batch pass the same tensor, whose values are then read once, not once per
+# layer (a GPU tensor's read waits for the device: the host could no longer run ahead of it).
+_last_checked: list = [None, None, None]
+
+
+def _checked_before(cu_seqlens: Tensor, T) -> bool:
+    ref, version, last_T = _last_checked
+    return ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and last_T == T
+
+
+def _offsets_readable(cu_seqlens: Tensor) -> bool:
+    if torch.compiler.is_compiling() or cu_seqlens.device.type == "meta":
+        return False
+    if cu_seqlens.is_cuda:
+        return not torch.cuda.is_current_stream_capturing()
+    return True
+
+
+def _check_offsets(api: str, offsets: list[int], T: Optional[int]) -> None:
+    if offsets[0] != 0:
+        raise ValueError(f"{api}: cu_seqlens starts at {offsets[0]}; the first offset must be 0")
+    for n, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        if end < start:
+            raise ValueError(f"{api}: cu_seqlens decreases from {start} to {end} at entries {n} and {n + 1}; "
+                             "offsets must not decrease (sequence n is steps cu_seqlens[n] to cu_seqlens[n + 1] - 1)")
+    if T is not None and offsets[-1] != T:
+        raise ValueError(f"{api}: cu_seqlens ends at {offsets[-1]} but q has T = {T} steps; the last offset must "
+                         "be the packed length T")

@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from ..contract import GLACall, compute_dtype, output_dtype, repeat_groups, sum_groups
-from . import scratch
+from . import scratch, varlen
 
 __all__ = ["BT", "backward", "forward"]
 
@@ -697,7 +697,10 @@ def _split_gate_grad(dgate, T, reverse, q, g, g_gamma) -> tuple[Tensor, Tensor]:
 
 def forward(call: GLACall) -> tuple[Tensor, Tensor]:
     """(o, final state or an empty [0]); grouped q and k are repeated to v's heads first: not the
-    path grouped heads are optimized for (the kernels read them shared)."""
+    path grouped heads are optimized for (the kernels read them shared). Packed sequences run one
+    after another (``varlen``)."""
+    if call.varlen:
+        return varlen.forward(call, forward)
     c, H = call, call.v.shape[2]
     return _chunk_fwd_torch(repeat_groups(c.q, H), repeat_groups(c.k, H), c.v, c.g, c.g_gamma, c.initial_state,
                             c.scale, c.output_final_state, c.reverse)
@@ -705,6 +708,8 @@ def forward(call: GLACall) -> tuple[Tensor, Tensor]:
 
 def backward(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> tuple[Tensor, ...]:
     """(dq, dk, dv, dg, dg_gamma, dh0) on repeated q and k, their gradients summed back over the groups."""
+    if call.varlen:
+        return varlen.backward(call, do, dht, backward)
     c, H, G = call, call.v.shape[2], call.q.shape[2]
     dq, dk, *rest = _chunk_bwd_torch(repeat_groups(c.q, H), repeat_groups(c.k, H), c.v, c.g, c.g_gamma,
                                      c.initial_state, do, dht, c.scale, c.reverse)

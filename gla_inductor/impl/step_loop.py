@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import config
 from ..contract import GLACall, sum_groups
-from . import scratch
+from . import scratch, varlen
 
 log = logging.getLogger("gla_inductor")
 
@@ -195,6 +195,8 @@ def _threads(units: int) -> int:
 
 def forward_unsupported_reason(call: GLACall) -> Optional[str]:
     """None where the step loop runs this forward, else why not (see the module docstring)."""
+    if call.varlen:
+        call = varlen.one_sequence(call)
     if call.state_dtype != torch.float32:
         return "fp64 runs the chunked algorithm (the oracles' dtype)"
     if call.q.device.type != "cpu":
@@ -209,7 +211,10 @@ def forward_unsupported_reason(call: GLACall) -> Optional[str]:
 @torch.no_grad()
 def forward(call: GLACall) -> tuple[Tensor, Tensor]:
     """(o, final state or an empty tensor) like ``chunked.forward``, from the step loop, for a call
-    with a log gate where ``forward_unsupported_reason`` is None. q and k may have grouped heads."""
+    with a log gate where ``forward_unsupported_reason`` is None. q and k may have grouped heads;
+    packed sequences run one after another (``varlen``)."""
+    if call.varlen:
+        return varlen.forward(call, forward)
     q, k, v, g, g_gamma = call.q, call.k, call.v, call.g, call.g_gamma
     B, T, G, K = q.shape
     H, V = v.shape[2], v.shape[3]
@@ -243,6 +248,8 @@ BACKWARD_GATES = ("vector",)
 
 def backward_unsupported_reason(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> Optional[str]:
     """None where the step loop runs this backward, else why not."""
+    if call.varlen:
+        call, dht = varlen.one_sequence(call), None if dht is None else dht[:1]
     if call.gate_kind not in BACKWARD_GATES:
         return f"{call.gate_kind} gates take the chunked backward (BACKWARD_GATES)"
     q, v = call.q, call.v
@@ -263,6 +270,8 @@ def backward_unsupported_reason(call: GLACall, do: Tensor, dht: Optional[Tensor]
 def backward(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> tuple[Tensor, ...]:
     """(dq, dk, dv, dg, dg_gamma, dh0) like ``chunked.backward``, from the step loop run back in
     time, where ``backward_unsupported_reason`` is None."""
+    if call.varlen:
+        return varlen.backward(call, do, dht, backward)
     q, k, v, g, g_gamma, initial_state = call.q, call.k, call.v, call.g, call.g_gamma, call.initial_state
     B, T, G, K = q.shape
     H, V = v.shape[2], v.shape[3]

@@ -21,11 +21,18 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
               dual carry, dqkg). A long sequence with few heads cuts each carry's walk into
               segments walked in parallel (``carry_segments``), one more launch per carry.
 
+Packed sequences (``call.cu_seqlens``) run the fused schedule only, whatever the config says: the
+scans take one program per (V tile, sequence * head), each walking its own sequence's chunks from
+offsets read on the device; gla_chunk_bwd_dqkg runs over state slots (``varlen_state_slots``),
+each program finding its sequence in the offsets. Nothing reads the offsets on the host, so a
+packed call can be captured in a CUDA graph. The local and split schedules stay fixed-length.
+
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
 / ``chunk_bwd`` custom ops for a ``GLACall``. They run on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1``; ``configs.unsupported_reason`` says where they do not apply.
 """
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -33,13 +40,15 @@ import torch
 from torch import Tensor
 
 from ..contract import GLACall, sum_groups
+from ..impl import prefix_states
 from . import configs
 from .configs import (MAX_GRID_YZ, ChunkConfig, TileConfig, carry_options, dqkg_block_k,
                       faulting_tile, interpreting, kernel_options, local_options, local_terms, scan_options,
                       unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
-__all__ = ["backward", "chunk_grid", "forward", "scan_grid", "unsupported_reason"]
+__all__ = ["backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
+           "varlen_state_slots"]
 
 
 def scan_grid(B: int, H: int, V: int, block_v: int, segments: int = 1) -> tuple[int, int, int]:
@@ -63,6 +72,19 @@ def chunk_grid(B: int, T: int, H: int, block_t: int, n_tiles: int) -> tuple[int,
     batch*head) is its own program, B * H * NT * n_tiles in all.
     """
     return (n_tiles, math.ceil(T / block_t), B * H)
+
+
+def varlen_state_slots(T: int, N: int, block_t: int) -> int:
+    """The per-chunk state slots of a packed call of N sequences, T steps in all: T // BT + N.
+
+    Sequence n (steps bos_n to eos_n - 1) keeps its NT_n = cdiv(eos_n - bos_n, BT) chunks' states
+    at slots bos_n // BT + n onwards (gla_chunk_scan's c0), which never overlap the next
+    sequence's: bos_n // BT + NT_n <= eos_n // BT + 1, since NT_n <= (eos_n - bos_n) // BT + 1; and
+    the last slot used is below T // BT + N. So the kernels place every chunk from the offsets
+    alone, and the buffers are sized from the shapes (for CUDA graphs and compiled graphs); a slot
+    may hold no chunk (gla_chunk_bwd_dqkg's program for it exits).
+    """
+    return T // block_t + N
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,15 +113,21 @@ class _Launcher:
         # every kernel that reads g also reads the fused gate's parameters (None unless "softplus")
         self.gates = dict(g=call.g, g_gamma=call.g_gamma, gate_a=call.gate_a, gate_bias=call.gate_bias)
         self.options = kernel_options(cfg, call.q.dtype, self.K, call.gate_kind, call.scale, call.reverse,
-                                      interpreting(), call.gate, call.group_size)
+                                      interpreting(), call.gate, call.group_size, call.varlen)
+        # packed sequences: the scans run one program per sequence (N of them) and read the offsets
+        self.N = call.num_sequences
+        self.cu_seqlens = None if not call.varlen else call.cu_seqlens.to(self.device, non_blocking=True)
 
     def states(self) -> Tensor:
-        """An uninitialized [B, NT, H, K, V] per-chunk state buffer."""
+        """An uninitialized [B, NT, H, K, V] per-chunk state buffer; [1, T // BT + N, H, K, V] for
+        packed sequences (``varlen_state_slots``)."""
         NT = math.ceil(self.T / self.cfg.block_t)
+        if self.cu_seqlens is not None:
+            NT = varlen_state_slots(self.T, self.N, self.cfg.block_t)
         return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
 
     def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
-             h0=None, h=None, ht=None) -> None:
+             h0=None, h=None, ht=None, hp=None, prefix_interval: int = 0) -> None:
         tiles = self.cfg.states if not write_out else self.cfg.dual if dual else self.cfg.scan
         if self.device.type == "cuda" and faulting_tile(self.options["BK"], tiles, self.options["USE_GK"]):
             raise ValueError(f"gla_inductor: {tiles} for a vector gate with K = {self.K} is known to fault on the "
@@ -107,8 +135,11 @@ class _Launcher:
         store_ht = ht is not None and ht.numel() > 0
         options = dict(scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                     use_h0=h0 is not None, store_ht=store_ht), BV=tiles.block_v)
-        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None)
-        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.B, self.H, self.V, tiles.block_v), tiles)
+        if hp is not None:
+            options["PREFIX_STATES"] = prefix_interval
+        tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None, hp=hp,
+                       cu_seqlens=self.cu_seqlens)
+        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.N, self.H, self.V, tiles.block_v), tiles)
 
     def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """gla_chunk_local: (qs, ks, A, dl), see the template."""
@@ -159,6 +190,10 @@ class _Launcher:
         options = dict(self.options, BK=block_k, BV=tiles.block_v)
         grid = chunk_grid(self.B, self.T, self.H, self.cfg.block_t, math.ceil(self.K / block_k))
         tensors = dict(q=q, k=k, v=v, **self.gates, do=do, h=h, dh=dh, dk=dk, dg=dg)
+        if self.cu_seqlens is not None:
+            # (slots, K tiles, H): see the template
+            grid = (h.shape[1], grid[0], self.H)
+            tensors.update(cu_seqlens=self.cu_seqlens)
         _launch("gla_chunk_bwd_dqkg", options, tensors, dq, grid, tiles)
 
 
@@ -173,13 +208,17 @@ def _head_grad(x: Tensor, v: Tensor) -> Tensor:
 
 
 def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, ChunkConfig]:
-    """The call with q, k, v in their promoted dtype (copies only when they differ), and the config."""
+    """The call with q, k, v in their promoted dtype (copies only when they differ), and the config
+    (the fused schedule for packed sequences)."""
     dtype = call.output_dtype
     call = call.replace(q=call.q.to(dtype), k=call.k.to(dtype), v=call.v.to(dtype))
-    B, T, _, K = call.q.shape
+    _, T, _, K = call.q.shape
     H, V = call.v.shape[2], call.v.shape[-1]
     # looked up on the module: tools and tests patch it there
-    cfg = config or configs.default_config(B, T, H, K, V, dtype, call.gate_kind == "vector", call.q.device)
+    cfg = config or configs.default_config(call.num_sequences, T, H, K, V, dtype, call.gate_kind == "vector",
+                                           call.q.device, call.varlen)
+    if call.varlen:
+        cfg = dataclasses.replace(cfg, local=False, split=False, segments=1)
     return call, cfg
 
 
@@ -192,7 +231,7 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
     o = q.new_empty(B, T, H, V)
-    ht = q.new_empty((B, H, K, V) if call.output_final_state else (0,), dtype=torch.float32)
+    ht = q.new_empty((call.num_sequences, H, K, V) if call.output_final_state else (0,), dtype=torch.float32)
     if T == 0:
         if call.output_final_state:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
@@ -209,6 +248,26 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
     else:
         run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht)
     return o, ht
+
+
+def forward_with_prefix_states(call: GLACall, interval: int, config: Optional[ChunkConfig] = None
+                               ) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final state [N, H, K, V], prefix states [B, slots, H, K, V] fp32): the forward, also
+    storing every ``interval`` steps (a power of two, at least 16) the state after the steps so far,
+    for prefix caching (``impl.prefix_states`` and gla_chunk_scan's PREFIX_STATES say where). Fused
+    schedule, not reverse."""
+    call, cfg = _prepare(call, config)
+    cfg = dataclasses.replace(cfg, local=False, split=False, segments=1, block_t=min(cfg.block_t, interval))
+    q, k, v = call.q, call.k, call.v
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[-1]
+    o = q.new_empty(B, T, H, V)
+    ht = q.new_empty(call.num_sequences, H, K, V, dtype=torch.float32)
+    hp = q.new_empty(*prefix_states.slots(call, interval), H, K, V, dtype=torch.float32)
+    run = _Launcher(cfg, call)
+    run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=call.initial_state, ht=ht, hp=hp,
+             prefix_interval=interval)
+    return o, ht, hp
 
 
 def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[ChunkConfig] = None

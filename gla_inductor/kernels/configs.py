@@ -218,15 +218,19 @@ def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
 
 @functools.lru_cache(maxsize=512)  # a launch's host time matters where the GPU work is short
 def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, vector_gate: bool,
-                   device: torch.device) -> ChunkConfig:
+                   device: torch.device, varlen: bool = False) -> ChunkConfig:
     """Tiles by head size. The backward's scans: chosen to compile without register spills for sm_90
     (bf16), value tiles narrowing while B * H * cdiv(V, BV) leaves SMs idle (untuned). The forward
-    scan: measured (``forward_scan_tile``)."""
+    scan: measured (``forward_scan_tile``).
+
+    Packed sequences (varlen; B is then the number of sequences, T their total length) take the
+    fused schedule only: the local and carry kernels (and the split schedule's output kernel) index
+    chunks of fixed-length sequences."""
     BK = max(16, pow2(K))
     BV = max(16, pow2(V))
     # [BT, K] tiles of q, k, g and their gated copies dominate the registers of the fused scans; the
     # local schedule slices the keys (local_key_slice) and takes 64-step chunks at any K
-    local = local_schedule(BK, vector_gate)
+    local = local_schedule(BK, vector_gate) and not varlen
     wide_chunks = BK <= 128 or local and dtype != torch.float32  # fp32 at K > 128: see `stages`
     block_t = min(64 if wide_chunks else 32, max(16, pow2(T)))
     block_v = min(BV, 64 if BK <= 128 else 32)
@@ -236,7 +240,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
             block_v //= 2
-        segments = carry_segments(B, H, V, math.ceil(T / block_t), sms)
+        segments = 1 if varlen else carry_segments(B, H, V, math.ceil(T / block_t), sms)
         # the carries walk all chunks one after another: with programs for at most half the SMs and
         # too few chunks for segments, halve their value tiles (H100, vector gate, forward: 1.020
         # against 1.106 ms at (2, 16384, 16, 128, 128), 64 programs, before segments; 1.333 against
@@ -294,6 +298,8 @@ def unsupported_reason(call: GLACall) -> Optional[str]:
             return f"{name} dtype {x.dtype} (supported: float32, float16, bfloat16)"
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
+    if call.cu_seqlens is not None:
+        B = call.num_sequences  # the scans' programs: one per (value tile, sequence * head)
     if K > MAX_K:
         return f"K = {K} > {MAX_K}"
     if V > MAX_V:
@@ -309,12 +315,13 @@ def unsupported_reason(call: GLACall) -> Optional[str]:
 
 
 def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scale: float, reverse: bool,
-                   interpreting: bool, gate_fn: GateFn = GateFn(), group: int = 1) -> dict:
+                   interpreting: bool, gate_fn: GateFn = GateFn(), group: int = 1, varlen: bool = False) -> dict:
     """The options every GLA chunk kernel of one call shares (jinja variables and constexprs).
 
     ``gate`` is "vector", "scalar", "constant" or "none"; ``dtype`` the promoted q/k/v dtype;
     ``gate_fn`` the function the kernels apply to g as they read it; ``group`` the heads of v per
-    head of q and k (``group_size``)."""
+    head of q and k (``group_size``); ``varlen``: packed sequences (cu_seqlens; gla_chunk_scan and
+    gla_chunk_bwd_dqkg only)."""
     # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
     on_bf16_cores = dtype == torch.bfloat16 and not interpreting
     f32_precision = cfg.f32_precision or (
@@ -330,6 +337,7 @@ def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scal
         DOT_DTYPE="tl.bfloat16" if on_bf16_cores else "tl.float32",
         F32_PRECISION=repr(f32_precision),  # options are code: a quoted string
         GROUP=int(group),
+        IS_VARLEN=bool(varlen),
         **gate_fn.kernel_options(),
     )
 

@@ -7,7 +7,8 @@ renders standalone (``kernels/standalone.py``); tiles and options come from ``ke
 compiled graph and an eager call run the same kernels with the same configuration, and the same
 schedule: the fused one (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
 the local one (forward: chunk-local terms, carry scan; backward: local terms, states and dual carry
-scans, dq/dk/dg). The split schedule is eager-only.
+scans, dq/dk/dg). The split schedule is eager-only. Packed sequences (cu_seqlens) take the fused
+schedule, as in eager calls.
 
 Anything the kernels do not cover (CPU without Inductor's Triton backend, head sizes past the
 kernels' limits, float64, a config switch) lowers to the eager op as an extern kernel; the reason is
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,9 +30,10 @@ from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, fallback_handler, lowerings, register_lowering, to_dtype
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, autotune_select_algorithm
 from torch._inductor.virtualized import V
-from torch.utils._sympy.functions import CeilDiv
+from torch.utils._sympy.functions import CeilDiv, FloorDiv
 
 from ..contract import CHUNK_BWD_ARGS, GLACall
+from ..kernels.chunk import varlen_state_slots
 from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
                                kernel_options, local_options, local_terms, scan_options)
 from ..kernels.standalone import OUT, load_template, render_source
@@ -62,7 +65,10 @@ def _local_grid(T, BH, meta, *, cdiv):
 @SymbolicGridFn
 def _dqkg_grid(K, T, BH, meta, *, cdiv):
     """How is gla_chunk_bwd_dqkg parallelized? One program per (key tile, chunk, batch * head): with
-    the states in HBM the chunks are independent (see ``kernels.chunk.chunk_grid``)."""
+    the states in HBM the chunks are independent (see ``kernels.chunk.chunk_grid``). Packed
+    sequences: one per (state slot, key tile, head), T being the slots (``varlen_state_slots``)."""
+    if meta.get("IS_VARLEN"):
+        return (T, cdiv(K, meta["BK"]), BH)
     return (cdiv(K, meta["BK"]), cdiv(T, meta["BT"]), BH)
 
 
@@ -112,6 +118,8 @@ def _why_not(call: GLACall) -> Optional[str]:
     """None when the templates can run the call (of IR nodes), else the reason to fall back."""
     q, v = call.q, call.v
     device = q.get_device()
+    if call.cu_seqlens is not None and call.cu_seqlens.get_device() != device:
+        return f"cu_seqlens on {call.cu_seqlens.get_device()}, q on {device} (the eager op moves it)"
     if device.type == "cpu" and inductor_config.cpu_backend != "triton":
         return "CPU tensors (Inductor's CPU backend is not Triton)"
     K, Vd = q.get_size()[-1], v.get_size()[-1]
@@ -122,7 +130,8 @@ def _why_not(call: GLACall) -> Optional[str]:
     G, H = q.get_size()[2], v.get_size()[2]
     if not V.graph.sizevars.statically_known_equals(G, H) and not (_static(G) and _static(H)):
         return "q/k shared by groups of heads, with dynamic head counts (the group size is a kernel constant)"
-    return chunk_unsupported_reason(call.replace(**{n: _meta(x) for n, x in call.tensors().items()}))
+    metas = {n: _meta(x) for n, x in call.tensors().items()}
+    return chunk_unsupported_reason(call.replace(**metas, cu_seqlens=_meta(call.cu_seqlens)))
 
 
 def _static(s) -> bool:
@@ -187,18 +196,23 @@ def _tile_choices(default: TileConfig, V: int, BK: int, vector_gate: bool) -> li
     return tiles
 
 
-def _gate_inputs(gate_index: Optional[int]):
+def _benchmark_inputs(gate_index: Optional[int], offsets_index: Optional[int], T):
     """Benchmark inputs for autotuning: gates as models make them (log-sigmoid), not randn, whose
-    positive values would take the kernels' rare paths."""
-    if gate_index is None:
-        return None
+    positive values would take the kernels' rare paths; packed-sequence offsets that are offsets
+    (equal lengths summing to T), not random integers, which would send the kernels out of bounds."""
+    hint = V.graph.sizevars.optimization_hint
 
-    def gen(node):
-        size = [V.graph.sizevars.optimization_hint(s) for s in node.get_size()]
+    def gate(node):
+        size = [hint(s) for s in node.get_size()]
         x = torch.randn(size, device=node.get_device(), dtype=torch.float32)
         return F.logsigmoid(x).to(node.get_dtype())
 
-    return {gate_index: gen}
+    def offsets(node):
+        N = hint(node.get_size()[0]) - 1
+        return torch.linspace(0, hint(T), N + 1, device=node.get_device()).round().to(node.get_dtype())
+
+    gens = {gate_index: gate, offsets_index: offsets}
+    return {i: fn for i, fn in gens.items() if i is not None} or None
 
 
 class _Plan:
@@ -210,24 +224,38 @@ class _Plan:
         self.B, self.T, _, self.K = q.get_size()
         self.H, self.V = v.get_size()[2], v.get_size()[-1]  # q and k may have fewer heads (grouped)
         self.group = _group(q, v)
+        # packed sequences: N of them, whose programs the scans run (B otherwise)
+        self.cu_seqlens = call.cu_seqlens
+        self.N = self.B if call.cu_seqlens is None else call.cu_seqlens.get_size()[0] - 1
         hint = V.graph.sizevars.optimization_hint
-        self.cfg: ChunkConfig = default_config(hint(self.B), hint(self.T), hint(self.H), int(self.K), int(self.V),
-                                               dtype, call.gate_kind == "vector", self.device)
+        cfg = default_config(hint(self.N), hint(self.T), hint(self.H), int(self.K), int(self.V), dtype,
+                             call.gate_kind == "vector", self.device, call.varlen)
+        if call.varlen:  # the fused schedule only (kernels.chunk says why)
+            cfg = dataclasses.replace(cfg, local=False, split=False, segments=1)
+        self.cfg: ChunkConfig = cfg
         interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
         self.options = kernel_options(self.cfg, dtype, int(self.K), call.gate_kind, call.scale, call.reverse,
-                                      interpreting, call.gate, self.group)
+                                      interpreting, call.gate, self.group, call.varlen)
         self.gates = dict(g=call.g, g_gamma=call.g_gamma, gate_a=call.gate_a, gate_bias=call.gate_bias)
         self.fused_gate = call.fused_gate
 
     def states_size(self):
+        if self.cu_seqlens is not None:
+            return (self.B, self.slots(), self.H, self.K, self.V)
         return (self.B, _cdiv(self.T, self.cfg.block_t), self.H, self.K, self.V)
+
+    def slots(self):
+        """The per-chunk state slots of packed sequences (``varlen_state_slots``)."""
+        block_t = self.cfg.block_t
+        T = self.T
+        return varlen_state_slots(T, self.N, block_t) if isinstance(T, int) else FloorDiv(T, block_t) + self.N
 
     def scan(self, layout, tiles: TileConfig, *, write_out: bool, dual: bool, store_states: bool, **tensors):
         """gla_chunk_scan (see its template): returns the main output; ``h`` and ``ht`` are written."""
-        tensors = {n: t for n, t in {**tensors, **self.gates}.items() if t is not None}
+        tensors = {n: t for n, t in {**tensors, **self.gates, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
         options = scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                use_h0="h0" in tensors, store_ht="ht" in tensors)
-        return self._select(SCAN, options, tensors, layout, [self.B * self.H, self.V],
+        return self._select(SCAN, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=t.block_v, tiles=t)
                              for t in _tile_choices(tiles, int(self.V), self.options["BK"], self.options["USE_GK"])])
 
@@ -271,10 +299,11 @@ class _Plan:
 
     def dqkg(self, layout, **tensors):
         """gla_chunk_bwd_dqkg: returns dq; ``dk`` and ``dg`` are written."""
-        tensors = {n: t for n, t in {**tensors, **self.gates}.items() if t is not None}
+        tensors = {n: t for n, t in {**tensors, **self.gates, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
         block_k = dqkg_block_k(self.cfg, self.options)
         tiles = self.cfg.dqkg
-        return self._select(DQKG, dict(self.options), tensors, layout, [self.K, self.T, self.B * self.H],
+        sizes = [self.K, self.T, self.B * self.H] if self.cu_seqlens is None else [self.K, self.slots(), self.H]
+        return self._select(DQKG, dict(self.options), tensors, layout, sizes,
                             [dict(BK=block_k, BV=tiles.block_v, tiles=tiles)])
 
     def _select(self, template: TritonTemplate, options: dict, tensors: dict, layout, call_sizes, variants):
@@ -291,8 +320,9 @@ class _Plan:
                 raise error
         # a fused gate's input is not a log gate: random inputs are as good as any
         gate_index = names.index("g") if "g" in names and not self.fused_gate else None
+        offsets_index = names.index("cu_seqlens") if "cu_seqlens" in names else None
         result = autotune_select_algorithm(template.name, choices, nodes, layout,
-                                           input_gen_fns=_gate_inputs(gate_index))
+                                           input_gen_fns=_benchmark_inputs(gate_index, offsets_index, self.T))
         # torch 2.11 returns the node, 2.13+ a (node, choice) pair
         return result[0] if isinstance(result, tuple) else result
 
@@ -308,7 +338,7 @@ def _realize(x):
     return None if x is None else ir.ExternKernel.realize_input(x)
 
 
-_OTHER_TENSORS = ("g", "g_gamma", "initial_state", "gate_a", "gate_bias")  # beside q, k, v
+_OTHER_TENSORS = ("g", "g_gamma", "initial_state", "gate_a", "gate_bias", "cu_seqlens")  # beside q, k, v
 
 
 def _sum_groups(dx, group: int, dtype: torch.dtype):
@@ -337,7 +367,7 @@ def chunk_fwd(*args, **kwargs):
     initial_state, output_final_state = call.initial_state, call.output_final_state
     plan = _Plan(call, dtype)
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
-    ht = _empty((B, H, K, Vd) if output_final_state else (0,), torch.float32, plan.device)
+    ht = _empty((plan.N, H, K, Vd) if output_final_state else (0,), torch.float32, plan.device)
     layout = _layout(plan.device, dtype, (B, T, H, Vd))
     if plan.cfg.local:
         qs, ks, A, dl = plan.local(q, k, transpose=False)

@@ -9,10 +9,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..contract import GLACall, LayoutWarning, _check_shape, _check_tensor, validate_gate, validate_inputs
+from ..contract import (GLACall, LayoutWarning, _check_shape, _check_tensor, validate_gate, validate_inputs,
+                        validate_varlen)
 from ..gates import GateFn
 from ..impl.recurrent import gather_slots, slot_validity
-from .chunk import run_chunk_gla
+from .chunk import chunk_fwd_states, run_chunk_gla  # noqa: F401  (defines the op called below)
 from .recurrent import fused_recurrent  # noqa: F401  (defines the op called below)
 
 __all__ = ["chunk_gla", "fused_recurrent_gla"]
@@ -48,7 +49,10 @@ def chunk_gla(
     gate_hi: Optional[float] = None,
     gate_a: Optional[Tensor] = None,
     gate_bias: Optional[Tensor] = None,
-) -> tuple[Tensor, Optional[Tensor]]:
+    cu_seqlens: Optional[Tensor] = None,
+    output_prefix_states: bool = False,
+    state_interval: int = 64,
+):
     """Gated linear attention, FLA-compatible.
 
     Args:
@@ -68,21 +72,49 @@ def chunk_gla(
             (scalar gate) or [H, K] (vector gate):
             logsigmoid: g = clamp(logsigmoid(x) * gate_scale, gate_lo, gate_hi)
             softplus:   g = gate_a * clamp(softplus(x + gate_bias), gate_lo, gate_hi)
+        cu_seqlens: packed variable-length sequences (FLA's convention): int32 or int64 offsets
+            [N + 1] on any device, 0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = T; B must be 1 and
+            sequence n is steps cu_seqlens[n] to cu_seqlens[n + 1] - 1 of every input, each run as
+            if alone (from its own initial state, in its own reverse order); initial_state and the
+            final state are [N, H, K, V]. The kernels read the offsets on the GPU (a call can be
+            captured in a CUDA graph); their values are checked where that needs no
+            synchronization with a capturing device (``contract.validate_varlen``).
+        output_prefix_states: also return, for prefix caching, the state after every
+            ``state_interval`` steps (a power of two, at least 16) of every sequence, as a third
+            output (inference only: no gradients; not with reverse). Fixed-length sequences:
+            [B, T // P + 1, H, K, V], [:, j] the state after the first j * P steps ([:, 0] the
+            initial state). Packed: [1, T // P + N, H, K, V], sequence n's state after its first
+            j * P steps at [0, cu_seqlens[n] // P + n + j] for j = 0 .. its length // P (slots
+            between the sequences' are left zero or undefined). fp32 (fp64 for fp64 inputs).
 
     Returns:
         o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
-        (fp32, fp64 for fp64 inputs) or None.
+        ([N, H, K, V] with cu_seqlens; fp32, fp64 for fp64 inputs) or None; then the prefix
+        states where output_prefix_states.
     """
-    validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True)
+    if cu_seqlens is not None:
+        validate_varlen(q, cu_seqlens, initial_state)
+    validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True, cu_seqlens=cu_seqlens)
     _warn_if_head_first(q)
     fn = GateFn(gate_fn or "", float(gate_scale), _opt_float(gate_lo), _opt_float(gate_hi))
     validate_gate(fn, q, g, gate_a, gate_bias)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     call = GLACall(q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse), fn,
-                   gate_a, gate_bias)
+                   gate_a, gate_bias, cu_seqlens)
+    if output_prefix_states:
+        _validate_prefix_states(call, state_interval)
+        o, ht, states = torch.ops.gla_inductor.chunk_fwd_states(*call.states_op_args(state_interval))
+        return o, (ht if output_final_state else None), states
     o, ht = run_chunk_gla(call)
     return o, (ht if output_final_state else None)
+
+
+def _validate_prefix_states(call: GLACall, interval) -> None:
+    if not isinstance(interval, int) or interval < 16 or interval & (interval - 1):
+        raise ValueError(f"chunk_gla: state_interval is {interval!r}; expected a power of two, at least 16")
+    if call.reverse:
+        raise ValueError("chunk_gla: output_prefix_states needs reverse=False (prefixes are in time order)")
 
 
 def _opt_float(x) -> Optional[float]:

@@ -3,7 +3,12 @@
 The ops are opaque to Dynamo and AOTAutograd: the forward graph holds one ``chunk_fwd`` node and
 the backward graph one ``chunk_bwd`` node (through ``register_autograd``), which the lowerings can
 then replace by Triton templates. Their arguments are a ``GLACall`` spelled out by the schemas of
-``contract`` (``CHUNK_FWD_ARGS``, ``CHUNK_BWD_ARGS``); ``dispatch`` runs them.
+``contract`` (``CHUNK_FWD_ARGS``, ``CHUNK_BWD_ARGS``); ``dispatch`` runs them. Packed sequences
+pass their offsets as the trailing ``cu_seqlens``, which has no gradient.
+
+``gla_inductor::chunk_fwd_states`` is the forward that also returns the prefix states (for prefix
+caching; ``CHUNK_STATES_ARGS``), inference only: it has no autograd formula, and Inductor calls it
+as an extern kernel.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..contract import CHUNK_BWD_ARGS, GLACall
+from ..contract import CHUNK_BWD_ARGS, CHUNK_STATES_ARGS, GLACall
+from ..impl import prefix_states
 from ..gates import GateFn, gate_grads
 from . import dispatch
 
-__all__ = ["chunk_bwd", "chunk_fwd", "on_first_trace", "run_chunk_gla"]
+__all__ = ["chunk_bwd", "chunk_fwd", "chunk_fwd_states", "on_first_trace", "run_chunk_gla"]
 
 # Called once before the first trace through the fake implementations: the package face installs
 # the loader of the Inductor lowerings here, so that a graph reaching Inductor has them registered
@@ -55,11 +61,14 @@ def _chunk_fwd_impl(
     gate_hi: Optional[float] = None,
     gate_a: Optional[Tensor] = None,
     gate_bias: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """GLA forward. Returns (o [B, T, H, V], final state [B, H, K, V], or [0] when not requested).
 
     q, k may be [B, T, G, K] with G dividing v's H heads: head h reads q/k head h // (H // G).
-    With ``gate_fn``, g holds the input of that gate function (``gla_inductor.gates``)."""
+    With ``gate_fn``, g holds the input of that gate function (``gla_inductor.gates``). With
+    ``cu_seqlens`` [N + 1], B is 1 and holds N packed sequences; initial and final states are
+    [N, H, K, V]."""
     return dispatch.chunk_fwd(GLACall.from_op_args(tuple(locals().values())))  # the parameters, in order
 
 
@@ -74,7 +83,8 @@ def _chunk_fwd_fake(*args, **kwargs):
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]  # q and k may have fewer heads than v (grouped)
     o = q.new_empty(B, T, H, V, dtype=call.output_dtype)
-    ht = q.new_empty((B, H, K, V) if call.output_final_state else (0,), dtype=call.state_dtype)
+    N = call.num_sequences  # B, or the packed sequences
+    ht = q.new_empty((N, H, K, V) if call.output_final_state else (0,), dtype=call.state_dtype)
     return o, ht
 
 
@@ -100,11 +110,12 @@ def _chunk_bwd_impl(
     gate_hi: Optional[float] = None,
     gate_a: Optional[Tensor] = None,
     gate_bias: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """GLA backward, recomputing the states from the inputs.
 
     Returns (dq, dk, dv, dg, dg_gamma, dh0), each shaped like its input (dq, dk grouped like q, k);
-    [0] for an absent input.
+    [0] for an absent input. With ``cu_seqlens``, dht and dh0 are [N, H, K, V] like the states.
     With ``gate_fn``, dg is the gradient w.r.t. g itself, like g, for a function without parameters
     (``GateFn.input_grad``: the kernels apply its derivative as they store dg); otherwise the gradient
     w.r.t. the log gate, in the compute dtype (fp32 or fp64), which ``gates.gate_grads`` turns into
@@ -132,6 +143,50 @@ def _chunk_bwd_fake(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------
+# chunk_fwd_states (inference only: no autograd formula)
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_fwd_states_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor],
+    g_gamma: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    scale: float,
+    state_interval: int,
+    gate_fn: str = "",
+    gate_scale: float = 1.0,
+    gate_lo: Optional[float] = None,
+    gate_hi: Optional[float] = None,
+    gate_a: Optional[Tensor] = None,
+    gate_bias: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The GLA forward (not reverse) with the prefix states, for prefix caching. Returns (o, final
+    state, prefix states): every ``state_interval`` steps the state after the steps so far, fp32,
+    [B, T // P + 1, H, K, V] with slot j after the first j * P steps (slot 0: the initial state);
+    with cu_seqlens [1, T // P + N, H, K, V], sequence n's from slot cu_seqlens[n] // P + n on."""
+    call = GLACall.from_op_args(tuple(locals().values()), names=CHUNK_STATES_ARGS)  # the parameters, in order
+    return dispatch.chunk_fwd_states(call.replace(output_final_state=True), state_interval)
+
+
+chunk_fwd_states = torch.library.custom_op("gla_inductor::chunk_fwd_states", _chunk_fwd_states_impl, mutates_args=())
+
+
+@chunk_fwd_states.register_fake
+def _chunk_fwd_states_fake(*args, **kwargs):
+    named = dict(zip(CHUNK_STATES_ARGS, args), **kwargs)
+    call = GLACall.from_op_args(args, kwargs, names=CHUNK_STATES_ARGS).replace(output_final_state=True)
+    o, ht = _chunk_fwd_fake(*call.op_args())
+    q, v = call.q, call.v
+    hp = q.new_empty(*prefix_states.slots(call, named["state_interval"]), v.shape[2], q.shape[-1], v.shape[-1],
+                     dtype=call.state_dtype)
+    return o, ht, hp
+
+
+# ----------------------------------------------------------------------------------------------
 # autograd
 # ----------------------------------------------------------------------------------------------
 
@@ -139,16 +194,16 @@ def _chunk_bwd_fake(*args, **kwargs):
 def _chunk_fwd_setup_context(ctx, inputs, output):
     call = GLACall.from_op_args(inputs)
     ctx.save_for_backward(call.q, call.k, call.v, call.g, call.g_gamma, call.initial_state, call.gate_a,
-                          call.gate_bias)
+                          call.gate_bias, call.cu_seqlens)
     # the call without its tensors, which come back from saved_tensors
     ctx.call = call.replace(q=None, k=None, v=None, g=None, g_gamma=None, initial_state=None, gate_a=None,
-                            gate_bias=None)
+                            gate_bias=None, cu_seqlens=None)
 
 
 def _saved_call(ctx) -> GLACall:
-    q, k, v, g, g_gamma, initial_state, gate_a, gate_bias = ctx.saved_tensors
+    q, k, v, g, g_gamma, initial_state, gate_a, gate_bias, cu_seqlens = ctx.saved_tensors
     return ctx.call.replace(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, gate_a=gate_a,
-                            gate_bias=gate_bias)
+                            gate_bias=gate_bias, cu_seqlens=cu_seqlens)
 
 
 def _chunk_fwd_backward(ctx, do, dht, bwd: Optional[Callable] = None):
@@ -170,6 +225,7 @@ def _chunk_fwd_backward(ctx, do, dht, bwd: Optional[Callable] = None):
     def present(grad, x):
         return None if x is None else grad
 
+    # none for cu_seqlens (integer offsets) or the non-tensor arguments
     by_name = dict(q=dq, k=dk, v=dv, g=present(dg, call.g), g_gamma=present(dg_gamma, call.g_gamma),
                    initial_state=present(dh0, call.initial_state), gate_a=da, gate_bias=dbias)
     return tuple(by_name.get(name) for name in _FWD_ARG_NAMES)
@@ -194,6 +250,7 @@ class _EagerChunkGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as through the op
+        ctx.num_inputs = len(inputs)  # with or without cu_seqlens
         o, ht = _chunk_fwd_impl(*inputs)
         _chunk_fwd_setup_context(ctx, inputs, (o, ht))
         if not ctx.call.output_final_state:
@@ -203,7 +260,7 @@ class _EagerChunkGLA(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        return _chunk_fwd_backward(ctx, do, dht, bwd=_chunk_bwd_impl)
+        return _chunk_fwd_backward(ctx, do, dht, bwd=_chunk_bwd_impl)[:ctx.num_inputs]
 
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
@@ -226,6 +283,6 @@ def _eager_fast_path(tensors) -> bool:
 def run_chunk_gla(call: GLACall) -> tuple[Tensor, Tensor]:
     """chunk_fwd on a call of tensors, through the op, or the eager fast path where it may."""
     args = call.op_args(full=True)
-    if _eager_fast_path(call.tensors().values()):
+    if _eager_fast_path([*call.tensors().values(), call.cu_seqlens]):
         return _EagerChunkGLA.apply(*args)
     return torch.ops.gla_inductor.chunk_fwd(*args)

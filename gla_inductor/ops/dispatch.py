@@ -1,11 +1,14 @@
 """The one place that chooses how a GLA op runs, for every device.
 
 ``chunk_fwd`` on CUDA runs short sequences (T <= RECURRENT_MAX_T) on the fused recurrent kernel
-and longer ones on the chunked kernels; its backward always runs the chunked kernels. On CPU both
+and longer ones on the chunked kernels (packed sequences always: the recurrent kernel does not read
+cu_seqlens); its backward always runs the chunked kernels. On CPU both
 run the C++ step loop where it applies (``impl.step_loop``), else the chunked PyTorch algorithm
 (``impl.chunked``), which is also every CUDA call's fallback. ``fused_recurrent`` (the decode op)
 runs the recurrent kernel on CUDA and a PyTorch time loop on CPU, on a state or, with state
-indices, on the slots of a state pool. Every fallback's reason is logged once.
+indices, on the slots of a state pool. ``chunk_fwd_states`` (the forward with prefix states) runs
+the forward scan on CUDA, elsewhere the forward block by block (``impl.prefix_states``). Every
+fallback's reason is logged once.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from torch import Tensor
 from .. import config
 from ..contract import GLACall
 from ..gates import gate_grads
-from ..impl import chunked, recurrent, step_loop
+from ..impl import chunked, prefix_states, recurrent, step_loop
 from ..kernels import chunk as chunk_kernels
 from ..kernels import recurrent as recurrent_kernels
 
-__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_fwd", "chunk_fwd_gpu", "chunk_unsupported_reason",
+__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_fwd", "chunk_fwd_gpu", "chunk_fwd_states",
+           "chunk_fwd_states_gpu", "chunk_unsupported_reason",
            "fused_recurrent", "fused_recurrent_gpu", "routes_to_recurrent"]
 
 log = logging.getLogger("gla_inductor")
@@ -61,8 +65,9 @@ def _recurrent_unsupported_reason(call: GLACall, state_out: Optional[Tensor] = N
 
 
 def routes_to_recurrent(call: GLACall) -> bool:
-    """Whether chunk_fwd runs a CUDA call on the fused recurrent kernel."""
-    return 0 < call.q.shape[1] <= RECURRENT_MAX_T and _recurrent_unsupported_reason(call) is None
+    """Whether chunk_fwd runs a CUDA call on the fused recurrent kernel (not for packed sequences,
+    whose lengths it cannot see)."""
+    return not call.varlen and 0 < call.q.shape[1] <= RECURRENT_MAX_T and _recurrent_unsupported_reason(call) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,6 +106,25 @@ def _chunk_fwd_recurrent(call: GLACall) -> tuple[Tensor, Tensor]:
     ht = q.new_empty((B, H, K, v.shape[-1]) if call.output_final_state else (0,), dtype=torch.float32)
     o = recurrent_kernels.forward(call, ht if call.output_final_state else None)
     return o, ht
+
+
+def chunk_fwd_states(call: GLACall, interval: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final state, prefix states): the contract of the ``chunk_fwd_states`` op. On CPU the
+    forward runs block by block (``impl.prefix_states``)."""
+    if call.q.is_cuda:
+        return chunk_fwd_states_gpu(call, interval)
+    return prefix_states.forward(call.with_log_gate(), interval, _chunk_fwd_cpu)
+
+
+def chunk_fwd_states_gpu(call: GLACall, interval: int) -> tuple[Tensor, Tensor, Tensor]:
+    """chunk_fwd_states's GPU route (CPU tensors take it too under TRITON_INTERPRET=1, for tests):
+    the forward scan storing the prefix states, or the PyTorch forward block by block."""
+    reason = chunk_unsupported_reason(call)
+    if reason is None and call.q.shape[1] > 0:  # no steps: nothing to launch, the states are h0
+        return chunk_kernels.forward_with_prefix_states(call, interval)
+    if reason is not None:
+        _note_fallback(reason)
+    return prefix_states.forward(call.with_log_gate(), interval, chunked.forward)
 
 
 def chunk_bwd(call: GLACall, do: Tensor, dht: Optional[Tensor]) -> tuple[Tensor, ...]:
