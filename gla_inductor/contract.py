@@ -81,8 +81,8 @@ class GLACall:
     gate: GateFn = GateFn()
     gate_a: Any = None
     gate_bias: Any = None
-    state_indices: Any = None
     cu_seqlens: Any = None
+    state_indices: Any = None
 
     # ---- derived facts --------------------------------------------------------------------------
     @property

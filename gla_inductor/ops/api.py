@@ -101,7 +101,7 @@ def chunk_gla(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     call = GLACall(q, k, v, g, g_gamma, initial_state, float(scale), bool(output_final_state), bool(reverse), fn,
-                   gate_a, gate_bias, cu_seqlens)
+                   gate_a, gate_bias, cu_seqlens=cu_seqlens)
     if output_prefix_states:
         _validate_prefix_states(call, state_interval)
         o, ht, states = torch.ops.gla_inductor.chunk_fwd_states(*call.states_op_args(state_interval))

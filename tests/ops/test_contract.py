@@ -31,7 +31,8 @@ def test_plain_call_round_trips_through_nine_arguments():
     back = GLACall.from_op_args(args)
     assert all(getattr(back, f) is getattr(call, f) for f in ("q", "k", "v", "g", "g_gamma", "initial_state"))
     assert (back.scale, back.output_final_state, back.reverse, back.gate) == (0.5, True, False, GateFn())
-    assert len(call.op_args(full=True)) == len(CHUNK_FWD_ARGS)
+    assert len(call.op_args(full=True)) == CHUNK_FWD_ARGS.index("cu_seqlens")  # every gate argument
+    assert len(call.replace(cu_seqlens=torch.tensor([0, 5])).op_args()) == len(CHUNK_FWD_ARGS)
 
 
 def test_fused_gate_call_spells_every_argument():
