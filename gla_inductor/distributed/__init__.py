@@ -5,8 +5,9 @@ Importing this package registers the sharding rules, after which ``gla_inductor.
 ops accept DTensors sharded over heads or batch (``tensor_parallel``).
 """
 
+from .context_parallel import context_parallel_gla
 from .tensor_parallel import register_gla_sharding
 
 register_gla_sharding()
 
-__all__ = ["register_gla_sharding"]
+__all__ = ["context_parallel_gla", "register_gla_sharding"]

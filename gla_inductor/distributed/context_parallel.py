@@ -223,14 +223,14 @@ def _cp_dim(tensors: dict[str, DTensor]) -> int:
     q = tensors["q"]
     dims = [d for d, p in enumerate(q.placements) if p == Shard(1)]
     if len(dims) != 1:
-        raise ValueError(f"context_parallel_gla: q is {tuple(q.placements)}; expected Shard(1) (over time) on "
+        raise ValueError(f"context_parallel_gla: q is {tuple(q.placements)!r}; expected Shard(1) (over time) on "
                          "exactly one mesh dim")
     cp = dims[0]
     for name, x in tensors.items():
         want = Shard(1) if name in _SEQ else Replicate()
         if x.placements[cp] != want:
-            raise ValueError(f"context_parallel_gla: {name} is {x.placements[cp]} on mesh dim {cp} where q is "
-                             f"Shard(1); expected {want}")
+            raise ValueError(f"context_parallel_gla: {name} is {x.placements[cp]!r} on mesh dim {cp} where q is "
+                             f"Shard(1); expected {want!r}")
     return cp
 
 
@@ -336,7 +336,6 @@ def context_parallel_gla(
                             f"{'is' if len(plain) == 1 else 'are'} not; pass all tensors as DTensors on q's mesh")
         if group is not None:
             raise ValueError("context_parallel_gla: group is for local tensors; DTensors bring their mesh")
-        out = _dtensor_cp(given, options, layout, bool(output_final_state), bool(reverse))
-        return out
+        return _dtensor_cp(given, options, layout, bool(output_final_state), bool(reverse))
     return _local_cp(**tensors, **options, output_final_state=bool(output_final_state), reverse=bool(reverse),
                      group=group, layout=layout)

@@ -73,12 +73,12 @@ def _mode_of(op: str, name: str, placement, mesh_dim: int) -> Optional[str]:
             return BATCH
         if placement.dim == time_dim:
             raise ValueError(
-                f"gla_inductor::{op}: {name} is {placement} on mesh dim {mesh_dim}, sharded over time; the op "
+                f"gla_inductor::{op}: {name} is {placement!r} on mesh dim {mesh_dim}, sharded over time; the op "
                 f"shards heads (Shard({head_dim})) or batch only. For a sequence split over ranks call "
                 "gla_inductor.distributed.context_parallel_gla")
     accepted = [f"Shard({head_dim}) (heads)"] + ([f"Shard({batch_dim}) (batch)"] if batch_dim is not None else [])
     raise ValueError(
-        f"gla_inductor::{op}: {name} {_LAYOUTS[name]} is {placement} on mesh dim {mesh_dim}; expected "
+        f"gla_inductor::{op}: {name} {_LAYOUTS[name]} is {placement!r} on mesh dim {mesh_dim}; expected "
         f"Replicate or {' or '.join(accepted)}: redistribute it first")
 
 
@@ -92,8 +92,8 @@ def mesh_dim_mode(op: str, placements: dict, mesh_dim: int) -> Optional[str]:
     if len(chosen) > 1:
         (m1, n1), (m2, n2) = chosen.items()
         raise ValueError(
-            f"gla_inductor::{op}: on mesh dim {mesh_dim} {n1} is {placements[n1]} ({m1}) but {n2} is "
-            f"{placements[n2]} ({m2}); shard all GLA inputs of one mesh dim the same way")
+            f"gla_inductor::{op}: on mesh dim {mesh_dim} {n1} is {placements[n1]!r} ({m1}) but {n2} is "
+            f"{placements[n2]!r} ({m2}); shard all GLA inputs of one mesh dim the same way")
     return next(iter(chosen), None)
 
 
@@ -183,8 +183,8 @@ def _check_state_in_place(values: dict) -> None:
         want = placement_for("state", mode or REPLICATE)
         if state.placements[d] != want:
             raise ValueError(
-                f"gla_inductor::fused_recurrent: state is {state.placements[d]} on mesh dim {d} but the other "
-                f"inputs are sharded over {mode}; the op updates the state in place, so place it as {want} "
+                f"gla_inductor::fused_recurrent: state is {state.placements[d]!r} on mesh dim {d} but the other "
+                f"inputs are sharded over {mode}; the op updates the state in place, so place it as {want!r} "
                 "before the call")
 
 
