@@ -140,49 +140,42 @@ def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[T
     return S_all, gathered[:, S.numel():].view(world, *S.shape[:2], *D.shape[2:])
 
 
-def _scan(S_all, D_all, h0: Optional[Tensor], seg: _Segments, reverse: bool):
-    """The state entering each of this rank's segments, and the final state, by the recurrence
-    h <- exp(D_j) * h + S_j over the global segments in processing order."""
+def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Segments, reverse: bool
+          ) -> tuple[Tensor, Tensor]:
+    """The states entering this rank's segments, stacked along the batch ([n * B, H, K, V], in the
+    order of ``seg.own``), and the final state: h <- exp(D_j) * h + S_j over the global segments in
+    processing order, from h0 (or zeros).
+
+    NOTE:[CP uniform graph] Every rank computes every entering state and picks its own through an
+    index tensor, rather than taking a Python-chosen one: so every rank traces the same graph (only
+    the index differs), and on every rank the gradient of the gathered states depends on the
+    gradient of its o. Were the first rank's o independent of the gather (its entering state is
+    h0), its share of the all-gather's backward would be a constant zero, which AOTAutograd's
+    partitioner computes in the forward graph: that rank would run the reduce-scatter during the
+    forward while the others run it in the backward, and the collectives would not pair up.
+    """
     n = len(seg.own)
-    order = range(len(seg.owner))
-    entering: dict[int, Optional[Tensor]] = {}
-    h = h0
-    for j in (reversed(order) if reverse else order):
+    B = S_all.shape[1] // n
+    h = torch.zeros_like(S_all[0, :B]) if h0 is None else h0
+    states, position = [], {}
+    for j in reversed(range(len(seg.owner))) if reverse else range(len(seg.owner)):
         r, i = seg.owner[j]
-        rows = slice(i * (S_all.shape[1] // n), (i + 1) * (S_all.shape[1] // n))
-        entering[j] = h
-        S_j = S_all[r, rows]
-        if h is None:
-            h = S_j
-        else:
-            h = (h if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * h) + S_j
-    return [entering[j] for j in seg.own], h
+        position[j] = len(states)
+        states.append(h)
+        rows = slice(i * B, (i + 1) * B)
+        h = (h if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * h) + S_all[r, rows]
+    index = torch.tensor([position[j] for j in seg.own], device=h.device)
+    return torch.stack(states).index_select(0, index).flatten(0, 1), h
 
 
-class _JoinGrad(torch.autograd.Function):
-    """o, copied, with a zero gradient for ``gathered``: the backward of the segment first in order
-    must run the all-gather's backward (a collective) like every other rank's, though its outputs
-    do not depend on other ranks."""
-
-    @staticmethod
-    def forward(ctx, o: Tensor, gathered: Tensor) -> Tensor:
-        ctx.gathered_shape = gathered.shape
-        ctx.gathered_dtype = gathered.dtype
-        return o.clone()
-
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        return do, do.new_zeros(ctx.gathered_shape, dtype=ctx.gathered_dtype)
-
-
-def _entering_term(q: Tensor, e: Optional[Tensor], h: Tensor, scale: float, H: int) -> Tensor:
-    """scale * (q_t * exp(G_t)) @ h for every step: [B, T, H, V] in h's dtype."""
-    q = q.to(h.dtype)
+def _entering_term(q: Tensor, e: Optional[Tensor], h: Tensor, scale: float, H: int, dtype: torch.dtype) -> Tensor:
+    """scale * (q_t * exp(G_t)) @ h for every step, [B, T, H, V], multiplied in ``dtype``."""
     if q.shape[2] != H:  # grouped heads: head j reads q head j // (H // G)
         q = q.repeat_interleave(H // q.shape[2], dim=2)
+    q = q.to(h.dtype) * scale
     if e is not None:
         q = q * (e if e.dim() == 4 else e.unsqueeze(-1))
-    return torch.einsum("bthk,bhkv->bthv", q, h) * scale
+    return torch.einsum("bthk,bhkv->bthv", q.to(dtype), h.to(dtype))
 
 
 def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, gate_bias=None, *, scale: float,
@@ -200,19 +193,16 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
     h0 = None if initial_state is None else initial_state.to(S.dtype)
     entering, ht = _scan(S_all, D_all, h0, seg, reverse)
     o = _with_entering(o, q_, lg, entering, scale, reverse)
-    if set(seg.own) == {0 if not reverse else len(seg.owner) - 1}:
-        o = _JoinGrad.apply(o, S_all)  # the first segment in order: its o does not depend on S_all
     return _merge(o, n), (ht if output_final_state else None)
 
 
-def _with_entering(o: Tensor, q: Tensor, lg, entering: list, scale: float, reverse: bool) -> Tensor:
-    """o plus each segment's entering-state term (a segment that starts from nothing adds none)."""
-    if all(h is None for h in entering):
-        return o
-    like = next(h for h in entering if h is not None)
-    h = torch.cat([torch.zeros_like(like) if x is None else x for x in entering])
-    term = _entering_term(q, _prefix_decay(lg, reverse), h, scale, o.shape[2])
-    return (o.to(term.dtype) + term).to(o.dtype)
+def _with_entering(o: Tensor, q: Tensor, lg: Optional[Tensor], h: Tensor, scale: float, reverse: bool) -> Tensor:
+    """o plus the term of the states h entering the segments."""
+    # fp16 / bf16 multiply in their own dtype (fp32 accumulation), as the chunk kernels read the
+    # states (their h tiles cast to the inputs' dtype); fp32 and fp64 in the states' dtype
+    dtype = o.dtype if o.dtype in (torch.float16, torch.bfloat16) else h.dtype
+    term = _entering_term(q, _prefix_decay(lg, reverse), h, scale, o.shape[2], dtype)
+    return (o.to(dtype) + term).to(o.dtype)
 
 
 _SEQ = ("q", "k", "v", "g")

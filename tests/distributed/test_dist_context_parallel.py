@@ -34,17 +34,30 @@ def _local(tensors: dict, index: torch.Tensor) -> dict:
     return {n: x[:, index.to(x.device)] if n in cases.SEQUENCE else x for n, x in tensors.items()}
 
 
-def _cp_errors(ctx, gate: str, reverse: bool = False, layout: str = "contiguous", fn=None, **shape) -> dict:
-    """Local slices through context_parallel_gla against chunk_gla on everything. The loss is the sum
-    of the ranks' losses: each rank weighs its o slice, and the final state by 1/W on every rank;
-    gradients of the replicated inputs are summed over the ranks."""
+def two_layers(gla):
+    """gla twice, the first one's output the second one's v (two layers' collectives in one graph)."""
+
+    def run(**kwargs):
+        o, _ = gla(**kwargs)
+        return gla(**dict(kwargs, v=o))
+
+    return run
+
+
+def _cp_errors(ctx, gate: str, reverse: bool = False, layout: str = "contiguous", fn=None, layers: int = 1,
+               **shape) -> dict:
+    """Local slices through context_parallel_gla (or fn) against chunk_gla on everything. The loss is
+    the sum of the ranks' losses: each rank weighs its o slice, and the final state by 1/W on every
+    rank; gradients of the replicated inputs are summed over the ranks."""
     import torch.distributed as dist
 
+    import gla_inductor
     from gla_inductor.distributed import context_parallel_gla
 
     tensors, options = cases.gla_inputs(gate, device=ctx.device, **shape)
     w_o, w_h = cases.loss_weights(tensors)
-    ref_out, ref_grads = cases.reference(tensors, options, w_o, w_h, reverse=reverse)
+    single = gla_inductor.chunk_gla if layers == 1 else two_layers(gla_inductor.chunk_gla)
+    ref_out, ref_grads = cases.forward_backward(single, tensors, options, w_o, w_h, reverse=reverse)
     index = _local_index(tensors["q"].shape[1], ctx.rank, ctx.world, layout)
     fn = fn or functools.partial(context_parallel_gla, layout=layout)
     out, grads = cases.forward_backward(fn, _local(tensors, index), options, w_o[:, index.to(w_o.device)],
@@ -169,13 +182,15 @@ def _recording_inductor(graphs: list):
 
 # Both compiled checks run the same case: their graphs compile to the same C++ kernels, which the
 # second compile then finds in Inductor's code cache (each costs tens of seconds on a 2-core runner).
-COMPILED_CASE = dict(gate="vector", G=2)
+# Two layers: their collectives must pair up across the ranks in both graphs.
+COMPILED_CASE = dict(gate="vector", G=2, layers=2)
 
 
 def compiled_inductor(ctx):
-    """fullgraph compile through plain Inductor: the all-gather, and its backward's reduce-scatter,
-    are functional collectives inside the compiled graphs. Inductor's graph caches are off here so
-    that the graphs are compiled (and seen) every time."""
+    """fullgraph compile through plain Inductor: the all-gathers, and their backward's
+    reduce-scatters, are functional collectives inside the compiled graphs, the same on every rank
+    (NOTE:[CP uniform graph]). Inductor's graph caches are off here so that the graphs are compiled
+    (and seen) every time."""
     import torch._functorch.config
     import torch._inductor.config
 
@@ -183,12 +198,14 @@ def compiled_inductor(ctx):
 
     torch._dynamo.reset()
     graphs: list = []
-    compiled = torch.compile(context_parallel_gla, backend=_recording_inductor(graphs), fullgraph=True)
+    compiled = torch.compile(two_layers(context_parallel_gla), backend=_recording_inductor(graphs), fullgraph=True)
     with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
         errors = _cp_errors(ctx, fn=compiled, **COMPILED_CASE)
-    forward, backward = ({str(n.target) for n in gm.graph.nodes if n.op == "call_function"} for gm in graphs)
-    assert {"_c10d_functional.all_gather_into_tensor.default", "gla_inductor.chunk_fwd.default"} <= forward, forward
-    assert {"_c10d_functional.reduce_scatter_tensor.default", "gla_inductor.chunk_bwd.default"} <= backward, backward
+    forward, backward = ([str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)] for gm in graphs)
+    gather, scatter, wait = (f"_c10d_functional.{c}.default" for c in ("all_gather_into_tensor",
+                                                                        "reduce_scatter_tensor", "wait_tensor"))
+    assert forward == [gather, wait] * 2, forward
+    assert backward == [scatter, wait] * 2, backward
     return errors
 
 
@@ -198,7 +215,7 @@ def compiled_gla_backend(ctx):
     from gla_inductor.distributed import context_parallel_gla
 
     torch._dynamo.reset()
-    compiled = torch.compile(context_parallel_gla, backend=gla_inductor.backend, fullgraph=True)
+    compiled = torch.compile(two_layers(context_parallel_gla), backend=gla_inductor.backend, fullgraph=True)
     return _cp_errors(ctx, fn=compiled, **COMPILED_CASE)
 
 
