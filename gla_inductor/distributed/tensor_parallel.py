@@ -66,7 +66,7 @@ def _mode_of(op: str, name: str, placement, mesh_dim: int) -> Optional[str]:
     if isinstance(placement, Replicate):
         return None
     batch_dim, head_dim, time_dim = _DIMS[name]
-    if isinstance(placement, Shard) and type(placement) is Shard:
+    if type(placement) is Shard:  # not _StridedShard, a shard of a shard
         if placement.dim == head_dim:
             return HEADS
         if placement.dim == batch_dim:
@@ -111,43 +111,56 @@ def check_groups(op: str, G: int, H: int, ranks: int) -> None:
             f"{ranks} ranks needs G divisible by {ranks}, so that each rank's v heads read its own q/k heads")
 
 
-def _bind(op_name: str, schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> tuple[list[str], dict]:
-    """The argument names in the order DTensor lists them (positional, then keyword) and all values."""
+def _bind(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> tuple[list[str], dict]:
+    """The argument names in the order DTensor lists their placements (positional, then keyword),
+    and every argument's value (DTensorSpec for tensors), defaults included."""
     names = [a.name for a in schema.arguments]
-    order = names[: len(args)] + list(kwargs)
     values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
     values.update(zip(names, args))
     values.update(kwargs)
-    return order, values
+    return names[: len(args)] + list(kwargs), values
 
 
 def _strategies(op: str, order: list[str], values: dict, outputs) -> list[tuple[list, list]]:
-    """register_sharding's answer: per mode in use, (output placements, input placements)."""
+    """register_sharding's answer: per mode in use (and Replicate), (output placements, input
+    placements). DTensor expands it over the mesh dims and picks the combination that needs no
+    redistribution, or else the first that costs no communication (Replicate inputs sliced)."""
     tensors = {n: values[n] for n in order if isinstance(values[n], DTensorSpec)}
     modes = _modes(op, tensors)
     if HEADS in modes and "q" in tensors:
         mesh = tensors["q"].mesh
         ranks = math.prod(mesh.size(d) for d, m in enumerate(modes) if m == HEADS)
         check_groups(op, tensors["q"].shape[2], tensors["v"].shape[2], ranks)
-    result = []
-    for mode in dict.fromkeys([REPLICATE, *[m for m in modes if m is not None]]):
-        inputs = [placement_for(n, mode) if n in tensors else None for n in order]
-        result.append((outputs(mode, values), inputs))
-    return result
+    if op == "fused_recurrent":
+        _check_state_in_place(tensors, modes)
+    return [(outputs(mode, values), [placement_for(n, mode) if n in tensors else None for n in order])
+            for mode in dict.fromkeys([REPLICATE, *[m for m in modes if m is not None]])]
+
+
+def _check_state_in_place(tensors: dict[str, DTensorSpec], modes: list[Optional[str]]) -> None:
+    """fused_recurrent writes its state in place, so DTensor must not hand it a redistributed copy:
+    the state must already be placed as the mode of every mesh dim asks."""
+    state = tensors["state"]
+    for d, mode in enumerate(modes):
+        want = placement_for("state", mode or REPLICATE)
+        if state.placements[d] != want:
+            raise ValueError(
+                f"gla_inductor::fused_recurrent: state is {state.placements[d]!r} on mesh dim {d} but the other "
+                f"inputs are sharded over {mode}; the op updates the state in place, so place it as {want!r} "
+                "before the call")
 
 
 def _fwd_outputs(mode: str, values: dict) -> list:
-    state = placement_for("initial_state", mode) if values["output_final_state"] else Replicate()  # [0] if absent
+    """o like v; the final state like initial_state, or Replicate for the [0] tensor returned
+    when it was not asked for."""
+    state = placement_for("initial_state", mode) if values["output_final_state"] else Replicate()
     return [placement_for("v", mode), state]
-
-
-_GRADS_OF = ("q", "k", "v", "g", "g_gamma", "initial_state")
 
 
 def _bwd_outputs(mode: str, values: dict) -> list:
     """Each gradient placed like its input; absent inputs get [0] tensors (Replicate)."""
     out = []
-    for name in _GRADS_OF:
+    for name in ("q", "k", "v", "g", "g_gamma", "initial_state"):
         if values[name] is None:
             out.append(Replicate())
         elif name == "g_gamma" and mode == BATCH:
@@ -157,49 +170,34 @@ def _bwd_outputs(mode: str, values: dict) -> list:
     return out
 
 
-def _fwd_rule(*args, **kwargs):
-    order, values = _bind("chunk_fwd", torch.ops.gla_inductor.chunk_fwd.default._schema, args, kwargs)
-    return _strategies("chunk_fwd", order, values, _fwd_outputs)
+def _recurrent_outputs(mode: str, values: dict) -> list:
+    return [placement_for("v", mode)]
 
 
-def _bwd_rule(*args, **kwargs):
-    order, values = _bind("chunk_bwd", torch.ops.gla_inductor.chunk_bwd.default._schema, args, kwargs)
-    return _strategies("chunk_bwd", order, values, _bwd_outputs)
+_OUTPUTS = {"chunk_fwd": _fwd_outputs, "chunk_bwd": _bwd_outputs, "fused_recurrent": _recurrent_outputs}
 
 
-def _recurrent_rule(*args, **kwargs):
-    order, values = _bind("fused_recurrent", torch.ops.gla_inductor.fused_recurrent.default._schema, args, kwargs)
-    strategies = _strategies("fused_recurrent", order, values, lambda mode, _: [placement_for("v", mode)])
-    _check_state_in_place(values)
-    return strategies
+def _rule(op: str):
+    """The sharding function register_sharding calls with the op's arguments (specs for tensors)."""
+    schema = getattr(torch.ops.gla_inductor, op).default._schema
 
+    def rule(*args, **kwargs):
+        order, values = _bind(schema, args, kwargs)
+        return _strategies(op, order, values, _OUTPUTS[op])
 
-def _check_state_in_place(values: dict) -> None:
-    """The op writes its state in place, so DTensor must not hand it a redistributed copy: the state
-    must already be placed as the mode of every mesh dim asks."""
-    tensors = {n: x for n, x in values.items() if isinstance(x, DTensorSpec)}
-    state = tensors["state"]
-    for d, mode in enumerate(_modes("fused_recurrent", tensors)):
-        want = placement_for("state", mode or REPLICATE)
-        if state.placements[d] != want:
-            raise ValueError(
-                f"gla_inductor::fused_recurrent: state is {state.placements[d]!r} on mesh dim {d} but the other "
-                f"inputs are sharded over {mode}; the op updates the state in place, so place it as {want!r} "
-                "before the call")
+    rule.__name__ = f"{op}_sharding"
+    return rule
 
 
 _REGISTERED = False
 
 
 def register_gla_sharding() -> None:
-    """Register the rules with DTensor (once; importing ``gla_inductor.distributed`` does it)."""
+    """Register the rules with DTensor (once; importing ``gla_inductor.distributed`` does it). The
+    ops must be defined first: importing gla_inductor defines them."""
     global _REGISTERED
     if _REGISTERED:
         return
-    import gla_inductor  # noqa: F401  (defines the ops)
-
-    ops = torch.ops.gla_inductor
-    register_sharding(ops.chunk_fwd.default)(_fwd_rule)
-    register_sharding(ops.chunk_bwd.default)(_bwd_rule)
-    register_sharding(ops.fused_recurrent.default)(_recurrent_rule)
+    for op in _OUTPUTS:
+        register_sharding(getattr(torch.ops.gla_inductor, op).default)(_rule(op))
     _REGISTERED = True

@@ -11,7 +11,6 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dist_cases as cases
 import dist_harness as harness
