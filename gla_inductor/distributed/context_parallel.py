@@ -1,35 +1,35 @@
 """Context parallelism for GLA: the sequence split over ranks, one all-gather of states.
 
 Each rank holds a contiguous slice of the sequence (or, with ``layout="head_tail"``, the two
-slices torch's ``context_parallel`` gives it: segment r and segment 2W-1-r of 2W). The state
-passed from one segment to the next is linear in the state entering it, through a diagonal
-per-key decay: for the segment s from a zero start,
+segments torch's ``context_parallel`` gives it: r and 2W-1-r of 2W). GLA carries a state from
+one segment to the next through a diagonal per-key decay: for segment s, run from a zero state,
 
     S_out = exp(D_s) * S_in + S_s         D_s = sum of the log gates over s ([B, H, K], or per head)
 
 so each rank runs ``chunk_gla`` on its segments from zero (o_s and S_s in one call), all ranks
-all-gather every segment's (S_s, D_s) (one collective of about W * B * H * K * V floats), and
-each rank scans them in segment order, in the state dtype (fp32), as products of exp(D) and
-states: never a difference of two long sums. The state entering segment s, h_s, then adds its
-contribution to the segment's outputs:
+all-gather every segment's (S_s, D_s) (one collective of W * B * H * K * (V + 1) floats), and
+each rank scans them in segment order in the states' dtype (fp32) as products of exp(D) and
+states, never as differences of long sums. GLA is linear in its initial state, so the state h_s
+entering segment s adds to the segment's outputs what a run from h_s adds to the run from zero:
 
-    o_t += scale * (q_t * exp(G_t)) @ h_s   G_t = the log gates from the segment start to t
+    o_t += scale * (q_t * exp(G_t)) @ h_s   G_t = the log gates from the segment start through t
 
-which is the term a run from h_s adds to the run from zero (GLA is linear in its initial state).
-This costs a [T, K] x [K, V] product per head instead of a second ``chunk_gla`` over the segment.
-G_t is a cumulative sum within the segment: for log gates <= 0 it decreases monotonically, so it
-suffers no cancellation, and where it is large exp(G_t) is negligible anyway.
+a [T, K] x [K, V] product per head instead of a second ``chunk_gla`` over the segment (whose
+backward would cost a second ``chunk_bwd`` too). G_t is a cumulative sum within the segment: for
+log gates <= 0 it decreases monotonically, without cancellation, and where it is large exp(G_t)
+is negligible anyway.
 
 The all-gather is a functional collective with autograd (its backward a reduce-scatter), so
-gradients reach earlier ranks' states and decays through ordinary autograd, and the whole
-function traces into one graph under ``torch.compile(fullgraph=True)``.
+gradients reach earlier ranks' states and decays through ordinary autograd, and the function
+traces into one graph under ``torch.compile(fullgraph=True)``, the same graph on every rank
+(NOTE:[CP uniform graph]). Every rank must run the backward, as with any collective.
 
 Gradient convention for local tensors: the loss is the sum of the ranks' losses. A tensor given to
 every rank (initial_state, g_gamma, gate_a, gate_bias) receives on each rank that rank's share of
 its gradient (sum them over the group, as data parallel training does for parameters); the final
-state is returned on every rank and each rank's use of it counts. With DTensor inputs the usual
-DTensor conventions hold instead: replicated inputs get Partial gradients and the Replicate final
-state counts once (its gradient flows through the last rank's copy).
+state is returned on every rank and each rank's use of it counts. With DTensor inputs the DTensor
+conventions hold instead: replicated inputs get Partial gradients and the Replicate final state
+counts once (its gradient flows through the copy of the rank that finishes the sequence).
 """
 
 from __future__ import annotations
@@ -104,30 +104,23 @@ def _merge(x: Tensor, n: int) -> Tensor:
     return x.unflatten(0, (n, -1)).transpose(0, 1).flatten(1, 2)
 
 
-def _log_gate(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, dtype) -> Optional[Tensor]:
-    """The per-step log gate in ``dtype``: [B, T, H, K] or [B, T, H] from g (through a fused gate
-    function if any), [1, T, H] from g_gamma, None without a gate."""
+def _decays(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, reverse: bool, dtype: torch.dtype
+            ) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A segment's whole log decay D ([B, H, K] for a vector gate, [B or 1, H, 1] otherwise, to
+    broadcast against [B, H, K, V] states) and exp(G_t), G_t the log gates from the segment's first
+    processed step through t ([B, T, H, K], [B, T, H] or [1, T, H]); (None, None) without a gate.
+    Sums accumulate in ``dtype`` (the states'), read from g as it is where no gate function applies."""
     if g is not None:
-        return log_gate(g, fn, gate_a, gate_bias, dtype)
+        lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
+        D = lg.sum(1, dtype=dtype)
+        G = lg.flip(1).cumsum(1, dtype=dtype).flip(1) if reverse else lg.cumsum(1, dtype=dtype)
+        return (D if g.dim() == 4 else D.unsqueeze(-1)), G.exp()
     if g_gamma is not None:
-        return g_gamma.to(dtype).expand(1, T, -1)
-    return None
-
-
-def _decay_total(lg: Optional[Tensor]) -> Optional[Tensor]:
-    """A segment's whole log decay D, [B, H, K] or [B, H, 1] (broadcast against [B, H, K, V])."""
-    if lg is None:
-        return None
-    D = lg.sum(1)
-    return D if lg.dim() == 4 else D.unsqueeze(-1)
-
-
-def _prefix_decay(lg: Optional[Tensor], reverse: bool) -> Optional[Tensor]:
-    """exp(G_t), G_t the log gates from the segment's first processed step through t."""
-    if lg is None:
-        return None
-    G = lg.flip(1).cumsum(1).flip(1) if reverse else lg.cumsum(1)
-    return G.exp()
+        gamma = g_gamma.to(dtype)
+        steps = torch.arange(1, T + 1, device=gamma.device, dtype=dtype)  # steps processed through t
+        steps = steps.flip(0) if reverse else steps
+        return (T * gamma).view(1, -1, 1), (steps[:, None] * gamma).exp().unsqueeze(0)
+    return None, None
 
 
 def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:
@@ -172,10 +165,9 @@ def _entering_term(q: Tensor, e: Optional[Tensor], h: Tensor, scale: float, H: i
     """scale * (q_t * exp(G_t)) @ h for every step, [B, T, H, V], multiplied in ``dtype``."""
     if q.shape[2] != H:  # grouped heads: head j reads q head j // (H // G)
         q = q.repeat_interleave(H // q.shape[2], dim=2)
-    q = q.to(h.dtype) * scale
     if e is not None:
-        q = q * (e if e.dim() == 4 else e.unsqueeze(-1))
-    return torch.einsum("bthk,bhkv->bthv", q.to(dtype), h.to(dtype))
+        q = q * (e if e.dim() == 4 else e.unsqueeze(-1))  # in e's dtype, the states'
+    return torch.einsum("bthk,bhkv->bthv", q.to(dtype), (h * scale).to(dtype))
 
 
 def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, gate_bias=None, *, scale: float,
@@ -188,20 +180,20 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
         q_, k_, v_, g_, g_gamma=g_gamma, scale=scale, output_final_state=True, reverse=reverse,
         gate_fn=fn.name or None, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi, gate_a=gate_a,
         gate_bias=gate_bias)
-    lg = _log_gate(g_, g_gamma, fn, gate_a, gate_bias, q_.shape[1], S.dtype)
-    S_all, D_all = _gather_states(S, _decay_total(lg), group, world)
+    D, e = _decays(g_, g_gamma, fn, gate_a, gate_bias, q_.shape[1], reverse, S.dtype)
+    S_all, D_all = _gather_states(S, D, group, world)
     h0 = None if initial_state is None else initial_state.to(S.dtype)
     entering, ht = _scan(S_all, D_all, h0, seg, reverse)
-    o = _with_entering(o, q_, lg, entering, scale, reverse)
+    o = _with_entering(o, q_, e, entering, scale)
     return _merge(o, n), (ht if output_final_state else None)
 
 
-def _with_entering(o: Tensor, q: Tensor, lg: Optional[Tensor], h: Tensor, scale: float, reverse: bool) -> Tensor:
+def _with_entering(o: Tensor, q: Tensor, e: Optional[Tensor], h: Tensor, scale: float) -> Tensor:
     """o plus the term of the states h entering the segments."""
     # fp16 / bf16 multiply in their own dtype (fp32 accumulation), as the chunk kernels read the
     # states (their h tiles cast to the inputs' dtype); fp32 and fp64 in the states' dtype
     dtype = o.dtype if o.dtype in (torch.float16, torch.bfloat16) else h.dtype
-    term = _entering_term(q, _prefix_decay(lg, reverse), h, scale, o.shape[2], dtype)
+    term = _entering_term(q, e, h, scale, o.shape[2], dtype)
     return (o.to(dtype) + term).to(o.dtype)
 
 
@@ -298,13 +290,18 @@ def context_parallel_gla(
     """``gla_inductor.chunk_gla`` over a sequence split across the ranks of ``group``.
 
     Args as ``chunk_gla``, but q, k, v, g hold this rank's part of the time axis: a contiguous
-    slice, slices in rank order (``layout="contiguous"``, T may differ between ranks), or
+    slice, slices in rank order (``layout="contiguous"``; T may differ between ranks), or
     segments r and 2W-1-r of 2W equal ones, concatenated (``layout="head_tail"``, the load-balanced
     layout of torch's ``context_parallel``). initial_state, g_gamma, gate_a and gate_bias are the
     global ones, the same on every rank. B, H, K, V must agree across ranks.
 
     group: a ProcessGroup (default: the world), a 1-D DeviceMesh, or (mesh, mesh_dim).
     reverse: the recurrence runs from the last rank's last step down to the first's first.
+
+    DTensor inputs bring their mesh instead of ``group``: q, k, v, g Shard(1) on one mesh dim (the
+    sequence), the other inputs Replicate there; other mesh dims may shard heads or batch as
+    ``tensor_parallel`` describes (context and tensor parallel together). o comes back sharded like
+    v, the final state Replicate over the sequence's mesh dim.
 
     Returns this rank's o [B, T_local, H, V] and the global final state [B, H, K, V] (fp32) on
     every rank, or None. See the module docstring for the gradients.
