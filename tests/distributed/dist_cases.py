@@ -73,6 +73,24 @@ def reference(tensors: dict, options: dict, w_o, w_h, **kwargs) -> tuple[dict, d
     return forward_backward(gla_inductor.chunk_gla, tensors, options, w_o, w_h, **kwargs)
 
 
+def recording_inductor(graphs: list):
+    """Plain Inductor as a torch.compile backend that keeps each graph it compiles (forward and
+    backward, after AOTAutograd). AOTAutograd's cache is off while it compiles: a hit would hand
+    back compiled code without the graphs."""
+    import torch._functorch.config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def backend(gm, example_inputs):
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    return backend
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|; inf on a shape mismatch."""
     if a.shape != b.shape:

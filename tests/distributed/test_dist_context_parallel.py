@@ -169,17 +169,6 @@ def dtensor_sequence_and_heads(ctx):
     return errors
 
 
-def _recording_inductor(graphs: list):
-    """Plain Inductor, keeping each graph it compiles (forward and backward, after AOTAutograd)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-
-    return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
-
-
 # Both compiled checks run the same case: their graphs compile to the same C++ kernels, which the
 # second compile then finds in Inductor's code cache (each costs tens of seconds on a 2-core runner).
 # Two layers: their collectives must pair up across the ranks in both graphs.
@@ -189,18 +178,14 @@ COMPILED_CASE = dict(gate="vector", G=2, layers=2)
 def compiled_inductor(ctx):
     """fullgraph compile through plain Inductor: the all-gathers, and their backward's
     reduce-scatters, are functional collectives inside the compiled graphs, the same on every rank
-    (NOTE:[CP uniform graph]). Inductor's graph caches are off here so that the graphs are compiled
-    (and seen) every time."""
-    import torch._functorch.config
-    import torch._inductor.config
-
+    (NOTE:[CP uniform graph])."""
     from gla_inductor.distributed import context_parallel_gla
 
     torch._dynamo.reset()
     graphs: list = []
-    compiled = torch.compile(two_layers(context_parallel_gla), backend=_recording_inductor(graphs), fullgraph=True)
-    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
-        errors = _cp_errors(ctx, fn=compiled, **COMPILED_CASE)
+    compiled = torch.compile(two_layers(context_parallel_gla), backend=cases.recording_inductor(graphs),
+                             fullgraph=True)
+    errors = _cp_errors(ctx, fn=compiled, **COMPILED_CASE)
     forward, backward = ([str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)] for gm in graphs)
     gather, scatter, wait = (f"_c10d_functional.{c}.default" for c in ("all_gather_into_tensor",
                                                                         "reduce_scatter_tensor", "wait_tensor"))

@@ -149,17 +149,6 @@ def fused_recurrent_in_place(ctx):
             "o_api": cases.rel_err(o_api.full_tensor(), ref_o), "ht_api": cases.rel_err(ht.full_tensor(), ref_state)}
 
 
-def _recording_inductor(graphs: list):
-    """Plain Inductor, keeping every graph it compiles (forward and backward, after AOTAutograd)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-
-    return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
-
-
 def _targets(graphs) -> set[str]:
     return {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
 
@@ -174,7 +163,7 @@ def compiled_inductor_heads(ctx):
     def fn(**kwargs):
         return gla_inductor.chunk_gla(**kwargs)
 
-    compiled = torch.compile(fn, backend=_recording_inductor(graphs), fullgraph=True)
+    compiled = torch.compile(fn, backend=cases.recording_inductor(graphs), fullgraph=True)
     errors = _tp_run(ctx, "vector", _heads(*ALL), fn=compiled)[0]
     targets = _targets(graphs)
     assert {"gla_inductor.chunk_fwd.default", "gla_inductor.chunk_bwd.default"} <= targets, targets
@@ -198,6 +187,7 @@ def compiled_naive_loop_heads(ctx):
     """A naive loop on head-sharded DTensors, compiled with gla_inductor.backend: rewritten into the
     op, which then runs per rank."""
     import gla_inductor
+    import gla_inductor.distributed  # noqa: F401
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -206,6 +196,35 @@ def compiled_naive_loop_heads(ctx):
     errors = _tp_run(ctx, "vector", _heads(*ALL), fn=compiled, T=12)[0]
     assert counters["gla_inductor"]["rewrites"] == 1, dict(counters["gla_inductor"])
     return errors
+
+
+def decode_step(q, k, v, g, cache):
+    """One naive decode step on a state cache, written back in place."""
+    S = cache * g.exp()[..., None] + k[..., None] * v[..., None, :]
+    o = (q[..., None] * S).sum(-2) * q.shape[-1] ** -0.5
+    cache.copy_(S)
+    return o
+
+
+def compiled_decode_step_heads(ctx):
+    """A naive decode step on head-sharded DTensors, compiled with gla_inductor.backend: rewritten
+    into the in-place fused_recurrent op, which updates each rank's part of the cache."""
+    import gla_inductor
+    import gla_inductor.distributed  # noqa: F401
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    tensors, _ = cases.gla_inputs("vector", T=1, device=ctx.device)
+    step = {n: tensors[n][:, 0] for n in ("q", "k", "v", "g")}
+    ref_cache = tensors["initial_state"].clone()
+    ref = decode_step(**step, cache=ref_cache)
+    names = ("q", "k", "v", "g", "cache")  # [B, H, D] steps and a [B, H, K, V] cache: heads on dim 1
+    dt = _dtensors(ctx, dict(step, cache=tensors["initial_state"]), _heads(*names, dims=dict.fromkeys(names, 1)))
+    with torch.no_grad():
+        o = torch.compile(decode_step, backend=gla_inductor.backend, fullgraph=True)(**dt)
+    assert counters["gla_inductor"]["rewrites_decode"] == 1, dict(counters["gla_inductor"])
+    return {"o": cases.rel_err(o.full_tensor(), ref), "cache": cases.rel_err(dt["cache"].full_tensor(), ref_cache)}
 
 
 def _call_with(ctx, placements: dict, gate: str = "vector", **shape):
@@ -273,7 +292,8 @@ def error_groups_split(ctx):
 CHECKS_2 = [heads_vector_grouped, heads_scalar_reverse, heads_constant_gate, heads_no_gate, heads_fused_logsigmoid,
             heads_fused_softplus, heads_with_replicated_inputs, batch_constant_gate, fused_recurrent_in_place,
             error_shard_over_k, error_shard_over_time, error_mixed_heads_and_batch, error_partial_input,
-            error_state_not_sharded_in_place, compiled_inductor_heads, compiled_naive_loop_heads]
+            error_state_not_sharded_in_place, compiled_inductor_heads, compiled_naive_loop_heads,
+            compiled_decode_step_heads]
 CHECKS_4 = [heads_vector_grouped, heads_fused_softplus, error_groups_split]
 ERRORS = {error_shard_over_k, error_shard_over_time, error_mixed_heads_and_batch, error_partial_input,
           error_state_not_sharded_in_place, error_groups_split}
