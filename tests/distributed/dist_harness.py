@@ -95,7 +95,7 @@ def _worker(rank: int, module: str, names: list[str], world: int, backend: str, 
 
 
 def run_checks(module: str, names: list[str], world: int, backend: str = "gloo",
-               timeout_s: float = 240) -> list[dict[str, dict]]:
+               timeout_s: float = 480) -> list[dict[str, dict]]:
     """Every rank's results, by check name; raises TimeoutError if the ranks do not finish in time."""
     os.environ.update(PROCESS_ENV)
     with tempfile.TemporaryDirectory() as outdir:
@@ -108,7 +108,7 @@ def run_checks(module: str, names: list[str], world: int, backend: str = "gloo",
                 if time.monotonic() > deadline:
                     failure = TimeoutError(f"{world} ranks did not finish {module}'s checks in {timeout_s} s")
                     break
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # a failure outside the checks (start-up, group init)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # outside the checks: start-up, a crash
             failure = e
         finally:
             for p in context.processes:
@@ -120,6 +120,8 @@ def run_checks(module: str, names: list[str], world: int, backend: str = "gloo",
             results.append(json.load(open(path)) if os.path.exists(path) else {})
     if failure is not None and not any(results):
         raise failure
+    if failure is not None:  # for the tests of the checks it kept from running
+        results = [dict(r, _failure=f"{type(failure).__name__}: {failure}") for r in results]
     return results
 
 
@@ -129,7 +131,8 @@ def outcome(results: list[dict[str, dict]], name: str) -> list[dict]:
     missing = [i for i, r in enumerate(per_rank) if r is None]
     if missing:
         earlier = [f"rank {i}: {n} raised {r['raised']}" for i, res in enumerate(results)
-                   for n, r in res.items() if "raised" in r]
+                   for n, r in res.items() if isinstance(r, dict) and "raised" in r]
+        earlier += sorted({res["_failure"] for res in results if "_failure" in res})
         raise AssertionError(f"{name} did not run on ranks {missing}" + (f" (after {'; '.join(earlier)})"
                                                                         if earlier else ""))
     return per_rank
