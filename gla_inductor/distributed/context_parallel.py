@@ -1,0 +1,328 @@
+"""Context parallelism for GLA: the sequence split over ranks, one all-gather of states.
+
+Each rank holds a contiguous slice of the sequence (or, with ``layout="head_tail"``, the two
+segments torch's ``context_parallel`` gives it: r and 2W-1-r of 2W). GLA carries a state from
+one segment to the next through a diagonal per-key decay: for segment s, run from a zero state,
+
+    S_out = exp(D_s) * S_in + S_s         D_s = sum of the log gates over s ([B, H, K], or per head)
+
+so each rank runs ``chunk_gla`` on its segments from zero (o_s and S_s in one call), all ranks
+all-gather every segment's (S_s, D_s) (one collective of W * B * H * K * (V + 1) floats), and
+each rank scans them in segment order in the states' dtype (fp32) as products of exp(D) and
+states, never as differences of long sums. GLA is linear in its initial state, so the state h_s
+entering segment s adds to the segment's outputs what a run from h_s adds to the run from zero:
+
+    o_t += scale * (q_t * exp(G_t)) @ h_s   G_t = the log gates from the segment start through t
+
+a [T, K] x [K, V] product per head instead of a second ``chunk_gla`` over the segment (whose
+backward would cost a second ``chunk_bwd`` too). G_t is a cumulative sum within the segment: for
+log gates <= 0 it decreases monotonically, without cancellation, and where it is large exp(G_t)
+is negligible anyway.
+
+The all-gather is a functional collective with autograd (its backward a reduce-scatter), so
+gradients reach earlier ranks' states and decays through ordinary autograd, and the function
+traces into one graph under ``torch.compile(fullgraph=True)``, the same graph on every rank
+(NOTE:[CP uniform graph]). Every rank must run the backward, as with any collective.
+
+Gradient convention for local tensors: the loss is the sum of the ranks' losses. A tensor given to
+every rank (initial_state, g_gamma, gate_a, gate_bias) receives on each rank that rank's share of
+its gradient (sum them over the group, as data parallel training does for parameters); the final
+state is returned on every rank and each rank's use of it counts. With DTensor inputs the DTensor
+conventions hold instead: replicated inputs get Partial gradients and the Replicate final state
+counts once (its gradient flows through the copy of the rank that finishes the sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+import gla_inductor
+from ..gates import GateFn, log_gate
+from . import tensor_parallel as tp
+
+__all__ = ["context_parallel_gla"]
+
+LAYOUTS = ("contiguous", "head_tail")
+
+# the autograd all-gather: named all_gather_single_autograd from torch 2.10 on
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+Group = Union[dist.ProcessGroup, DeviceMesh, tuple, None]
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Where this rank's segments lie in the global order: ``own[i]`` is the global index of
+    local segment i, ``owner[j]`` the (rank, local segment) of global segment j."""
+
+    own: tuple[int, ...]
+    owner: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def of(layout: str, rank: int, world: int) -> "_Segments":
+        if layout == "contiguous":
+            return _Segments((rank,), tuple((r, 0) for r in range(world)))
+        heads = tuple((r, 0) for r in range(world))
+        tails = tuple((r, 1) for r in reversed(range(world)))
+        return _Segments((rank, 2 * world - 1 - rank), heads + tails)
+
+
+def _group_info(group: Group) -> tuple[object, int, int]:
+    """(the group as functional collectives take it, this rank's index in it, its size)."""
+    if isinstance(group, tuple):
+        mesh, dim = group
+        return group, mesh.get_local_rank(dim), mesh.size(dim)
+    if isinstance(group, DeviceMesh):
+        return group, group.get_local_rank(), group.size()
+    pg = group if group is not None else dist.group.WORLD
+    return pg, dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def _split(x: Optional[Tensor], n: int) -> Optional[Tensor]:
+    """[B, n * Ts, ...] -> [n * B, Ts, ...]: the segments of one rank as extra batch rows."""
+    if x is None or n == 1:
+        return x
+    B, T = x.shape[:2]
+    if T % n:
+        raise ValueError(f"context_parallel_gla: layout='head_tail' needs each rank's T ({T}) divisible by {n}")
+    return x.unflatten(1, (n, T // n)).transpose(0, 1).flatten(0, 1)
+
+
+def _merge(x: Tensor, n: int) -> Tensor:
+    """The inverse of ``_split``."""
+    if n == 1:
+        return x
+    return x.unflatten(0, (n, -1)).transpose(0, 1).flatten(1, 2)
+
+
+def _decays(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, reverse: bool, dtype: torch.dtype
+            ) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A segment's whole log decay D ([B, H, K] for a vector gate, [B or 1, H, 1] otherwise, to
+    broadcast against [B, H, K, V] states) and exp(G_t), G_t the log gates from the segment's first
+    processed step through t ([B, T, H, K], [B, T, H] or [1, T, H]); (None, None) without a gate.
+    Sums accumulate in ``dtype`` (the states'), read from g as it is where no gate function applies."""
+    if g is not None:
+        lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
+        D = lg.sum(1, dtype=dtype)
+        G = lg.flip(1).cumsum(1, dtype=dtype).flip(1) if reverse else lg.cumsum(1, dtype=dtype)
+        return (D if g.dim() == 4 else D.unsqueeze(-1)), G.exp()
+    if g_gamma is not None:
+        gamma = g_gamma.to(dtype)
+        steps = torch.arange(1, T + 1, device=gamma.device, dtype=dtype)  # steps processed through t
+        steps = steps.flip(0) if reverse else steps
+        return (T * gamma).view(1, -1, 1), (steps[:, None] * gamma).exp().unsqueeze(0)
+    return None, None
+
+
+def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:
+    """All-gather every rank's (S, D), packed into one buffer: [world, *S.shape], [world, *D.shape]."""
+    parts = [S.flatten()] + ([] if D is None else [D.expand(S.shape[:2] + D.shape[2:]).flatten()])
+    gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
+    S_all = gathered[:, : S.numel()].view(world, *S.shape)
+    if D is None:
+        return S_all, None
+    return S_all, gathered[:, S.numel():].view(world, *S.shape[:2], *D.shape[2:])
+
+
+def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Segments, reverse: bool
+          ) -> tuple[Tensor, Tensor]:
+    """The states entering this rank's segments, stacked along the batch ([n * B, H, K, V], in the
+    order of ``seg.own``), and the final state: h <- exp(D_j) * h + S_j over the global segments in
+    processing order, from h0 (or zeros).
+
+    NOTE:[CP uniform graph] Every rank computes every entering state and picks its own through an
+    index tensor, rather than taking a Python-chosen one: so every rank traces the same graph (only
+    the index differs), and on every rank the gradient of the gathered states depends on the
+    gradient of its o. Were the first rank's o independent of the gather (its entering state is
+    h0), its share of the all-gather's backward would be a constant zero, which AOTAutograd's
+    partitioner computes in the forward graph: that rank would run the reduce-scatter during the
+    forward while the others run it in the backward, and the collectives would not pair up.
+    """
+    n = len(seg.own)
+    B = S_all.shape[1] // n
+    h = torch.zeros_like(S_all[0, :B]) if h0 is None else h0
+    states, position = [], {}
+    for j in reversed(range(len(seg.owner))) if reverse else range(len(seg.owner)):
+        r, i = seg.owner[j]
+        position[j] = len(states)
+        states.append(h)
+        rows = slice(i * B, (i + 1) * B)
+        h = (h if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * h) + S_all[r, rows]
+    index = torch.tensor([position[j] for j in seg.own], device=h.device)
+    return torch.stack(states).index_select(0, index).flatten(0, 1), h
+
+
+def _entering_term(q: Tensor, e: Optional[Tensor], h: Tensor, scale: float, H: int, dtype: torch.dtype) -> Tensor:
+    """scale * (q_t * exp(G_t)) @ h for every step, [B, T, H, V], multiplied in ``dtype``."""
+    if q.shape[2] != H:  # grouped heads: head j reads q head j // (H // G)
+        q = q.repeat_interleave(H // q.shape[2], dim=2)
+    if e is not None:
+        q = q * (e if e.dim() == 4 else e.unsqueeze(-1))  # in e's dtype, the states'
+    return torch.einsum("bthk,bhkv->bthv", q.to(dtype), (h * scale).to(dtype))
+
+
+def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, gate_bias=None, *, scale: float,
+              fn: GateFn, output_final_state: bool, reverse: bool, group: Group, layout: str):
+    group, rank, world = _group_info(group)
+    seg = _Segments.of(layout, rank, world)
+    n = len(seg.own)
+    q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
+    o, S = gla_inductor.chunk_gla(
+        q_, k_, v_, g_, g_gamma=g_gamma, scale=scale, output_final_state=True, reverse=reverse,
+        gate_fn=fn.name or None, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi, gate_a=gate_a,
+        gate_bias=gate_bias)
+    D, e = _decays(g_, g_gamma, fn, gate_a, gate_bias, q_.shape[1], reverse, S.dtype)
+    S_all, D_all = _gather_states(S, D, group, world)
+    h0 = None if initial_state is None else initial_state.to(S.dtype)
+    entering, ht = _scan(S_all, D_all, h0, seg, reverse)
+    o = _with_entering(o, q_, e, entering, scale)
+    return _merge(o, n), (ht if output_final_state else None)
+
+
+def _with_entering(o: Tensor, q: Tensor, e: Optional[Tensor], h: Tensor, scale: float) -> Tensor:
+    """o plus the term of the states h entering the segments."""
+    # fp16 / bf16 multiply in their own dtype (fp32 accumulation), as the chunk kernels read the
+    # states (their h tiles cast to the inputs' dtype); fp32 and fp64 in the states' dtype
+    dtype = o.dtype if o.dtype in (torch.float16, torch.bfloat16) else h.dtype
+    term = _entering_term(q, e, h, scale, o.shape[2], dtype)
+    return (o.to(dtype) + term).to(o.dtype)
+
+
+_SEQ = ("q", "k", "v", "g")
+
+
+def _cp_dim(tensors: dict[str, DTensor]) -> int:
+    """The one mesh dim over which q, k, v, g are Shard(1), where the other inputs are Replicate."""
+    q = tensors["q"]
+    dims = [d for d, p in enumerate(q.placements) if p == Shard(1)]
+    if len(dims) != 1:
+        raise ValueError(f"context_parallel_gla: q is {tuple(q.placements)!r}; expected Shard(1) (over time) on "
+                         "exactly one mesh dim")
+    cp = dims[0]
+    for name, x in tensors.items():
+        want = Shard(1) if name in _SEQ else Replicate()
+        if x.placements[cp] != want:
+            raise ValueError(f"context_parallel_gla: {name} is {x.placements[cp]!r} on mesh dim {cp} where q is "
+                             f"Shard(1); expected {want!r}")
+    return cp
+
+
+def _targets(tensors: dict[str, DTensor], cp: int) -> tuple[list, dict[str, list]]:
+    """Per mesh dim the mode (None on the CP dim and all-Replicate dims), and each input's placements."""
+    mesh = tensors["q"].device_mesh
+    modes = [None if d == cp else tp.mesh_dim_mode("context_parallel_gla", {n: x.placements[d] for n, x in
+                                                                             tensors.items()}, d)
+             for d in range(mesh.ndim)]
+    ranks = math.prod(mesh.size(d) for d, m in enumerate(modes) if m == tp.HEADS)
+    tp.check_groups("context_parallel_gla", tensors["q"].shape[2], tensors["v"].shape[2], ranks)
+    targets = {n: [(Shard(1) if n in _SEQ else Replicate()) if d == cp else tp.placement_for(n, m or tp.REPLICATE)
+                   for d, m in enumerate(modes)] for n in tensors}
+    return modes, targets
+
+
+def _to_local(x: DTensor, target: list, modes: list, cp: int) -> Tensor:
+    """x's local part; a replicated input used by every rank for its own rows gets a Partial gradient."""
+    x = x.redistribute(x.device_mesh, target)
+    grads = [Partial() if p == Replicate() and (d == cp or modes[d] == tp.BATCH) else p
+             for d, p in enumerate(target)]
+    return x.to_local(grad_placements=grads)
+
+
+def _dtensor_cp(tensors: dict[str, DTensor], options: dict, layout: str, output_final_state: bool, reverse: bool):
+    q, v = tensors["q"], tensors["v"]
+    mesh = q.device_mesh
+    cp = _cp_dim(tensors)
+    modes, targets = _targets(tensors, cp)
+    local = {n: _to_local(x, targets[n], modes, cp) for n, x in tensors.items()}
+    group = (mesh, cp) if mesh.ndim > 1 else mesh
+    o, ht = _local_cp(**local, **options, output_final_state=output_final_state, reverse=reverse, group=group,
+                      layout=layout)
+    o = DTensor.from_local(o, mesh, targets["v"], run_check=False, shape=v.shape, stride=_contiguous(v.shape))
+    if ht is None:
+        return o, None
+    seg = _Segments.of(layout, mesh.get_local_rank(cp), mesh.size(cp))
+    last = seg.owner[0 if reverse else -1][0]
+    if mesh.get_local_rank(cp) != last:
+        ht = ht.detach()  # a Replicate output's gradient is the same on every rank: count it once
+    state = [Replicate() if d == cp else tp.placement_for("initial_state", m or tp.REPLICATE)
+             for d, m in enumerate(modes)]
+    B, H, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    return o, DTensor.from_local(ht, mesh, state, run_check=False, shape=(B, H, K, V), stride=(H * K * V, K * V, V, 1))
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def context_parallel_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor] = None,
+    *,
+    g_gamma: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    gate_fn: Optional[str] = None,
+    gate_scale: float = 1.0,
+    gate_lo: Optional[float] = None,
+    gate_hi: Optional[float] = None,
+    gate_a: Optional[Tensor] = None,
+    gate_bias: Optional[Tensor] = None,
+    group: Group = None,
+    layout: str = "contiguous",
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``gla_inductor.chunk_gla`` over a sequence split across the ranks of ``group``.
+
+    Args as ``chunk_gla``, but q, k, v, g hold this rank's part of the time axis: a contiguous
+    slice, slices in rank order (``layout="contiguous"``; T may differ between ranks), or
+    segments r and 2W-1-r of 2W equal ones, concatenated (``layout="head_tail"``, the load-balanced
+    layout of torch's ``context_parallel``). initial_state, g_gamma, gate_a and gate_bias are the
+    global ones, the same on every rank. B, H, K, V must agree across ranks.
+
+    group: a ProcessGroup (default: the world), a 1-D DeviceMesh, or (mesh, mesh_dim).
+    reverse: the recurrence runs from the last rank's last step down to the first's first.
+
+    DTensor inputs bring their mesh instead of ``group``: q, k, v, g Shard(1) on one mesh dim (the
+    sequence), the other inputs Replicate there; other mesh dims may shard heads or batch as
+    ``tensor_parallel`` describes (context and tensor parallel together). o comes back sharded like
+    v, the final state Replicate over the sequence's mesh dim.
+
+    Returns this rank's o [B, T_local, H, V] and the global final state [B, H, K, V] (fp32) on
+    every rank, or None. See the module docstring for the gradients.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"context_parallel_gla: layout must be one of {LAYOUTS}, got {layout!r}")
+    fn = GateFn(gate_fn or "", float(gate_scale), None if gate_lo is None else float(gate_lo),
+                None if gate_hi is None else float(gate_hi))
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    tensors = dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, gate_a=gate_a,
+                   gate_bias=gate_bias)
+    options = dict(scale=float(scale), fn=fn)
+    if isinstance(q, DTensor):
+        given = {n: x for n, x in tensors.items() if x is not None}
+        plain = [n for n, x in given.items() if not isinstance(x, DTensor)]
+        if plain:
+            raise TypeError(f"context_parallel_gla: q is a DTensor but {', '.join(plain)} "
+                            f"{'is' if len(plain) == 1 else 'are'} not; pass all tensors as DTensors on q's mesh")
+        if group is not None:
+            raise ValueError("context_parallel_gla: group is for local tensors; DTensors bring their mesh")
+        return _dtensor_cp(given, options, layout, bool(output_final_state), bool(reverse))
+    return _local_cp(**tensors, **options, output_final_state=bool(output_final_state), reverse=bool(reverse),
+                     group=group, layout=layout)

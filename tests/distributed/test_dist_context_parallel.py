@@ -1,0 +1,261 @@
+"""Context parallelism over time: ``context_parallel_gla`` on a sequence split over ranks equals
+``chunk_gla`` on the whole sequence in one process, forward and every gradient, for every gate kind,
+fused gates, initial and final states, reverse, both layouts, local tensors and DTensors, eager
+and compiled (fullgraph, through gla_inductor.backend and plain Inductor).
+
+The checks run inside spawned ranks (``dist_harness``); each test asserts one check's results.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import dist_cases as cases
+import dist_harness as harness
+
+RTOL = 1e-5
+CUDA_RTOL = 1e-4  # the kernels multiply fp32 as "tf32x3" (about 22 bits)
+REPLICATED = ("initial_state", "g_gamma", "gate_a", "gate_bias")
+
+
+def _local_index(T: int, rank: int, world: int, layout: str) -> torch.Tensor:
+    """The time steps rank holds: its torch.chunk slice, or segments rank and 2W-1-rank of 2W."""
+    steps = torch.arange(T)
+    if layout == "contiguous":
+        return steps.chunk(world)[rank]
+    segments = steps.chunk(2 * world)
+    return torch.cat([segments[rank], segments[2 * world - 1 - rank]])
+
+
+def _local(tensors: dict, index: torch.Tensor) -> dict:
+    return {n: x[:, index.to(x.device)] if n in cases.SEQUENCE else x for n, x in tensors.items()}
+
+
+def two_layers(gla):
+    """gla twice, the first one's output the second one's v (two layers' collectives in one graph)."""
+
+    def run(**kwargs):
+        o, _ = gla(**kwargs)
+        return gla(**dict(kwargs, v=o))
+
+    return run
+
+
+def _cp_errors(ctx, gate: str, reverse: bool = False, layout: str = "contiguous", fn=None, layers: int = 1,
+               **shape) -> dict:
+    """Local slices through context_parallel_gla (or fn) against chunk_gla on everything. The loss is
+    the sum of the ranks' losses: each rank weighs its o slice, and the final state by 1/W on every
+    rank; gradients of the replicated inputs are summed over the ranks."""
+    import torch.distributed as dist
+
+    import gla_inductor
+    from gla_inductor.distributed import context_parallel_gla
+
+    tensors, options = cases.gla_inputs(gate, device=ctx.device, **shape)
+    w_o, w_h = cases.loss_weights(tensors)
+    single = gla_inductor.chunk_gla if layers == 1 else two_layers(gla_inductor.chunk_gla)
+    ref_out, ref_grads = cases.forward_backward(single, tensors, options, w_o, w_h, reverse=reverse)
+    index = _local_index(tensors["q"].shape[1], ctx.rank, ctx.world, layout)
+    fn = fn or functools.partial(context_parallel_gla, layout=layout)
+    out, grads = cases.forward_backward(fn, _local(tensors, index), options, w_o[:, index.to(w_o.device)],
+                                        w_h / ctx.world, reverse=reverse)
+    errors = {"o": cases.rel_err(out["o"], ref_out["o"][:, index]), "ht": cases.rel_err(out["ht"], ref_out["ht"])}
+    for name, grad in grads.items():
+        if name in REPLICATED:
+            dist.all_reduce(grad)
+            errors[f"d{name}"] = cases.rel_err(grad, ref_grads[name])
+        else:
+            errors[f"d{name}"] = cases.rel_err(grad, ref_grads[name][:, index])
+    return errors
+
+
+# every gate kind, both directions, both layouts, grouped q/k and no initial state in some
+CASES = [
+    ("vector", False, "contiguous", dict(G=2)),
+    ("vector", True, "head_tail", {}),
+    ("scalar", False, "head_tail", {}),
+    ("scalar", True, "contiguous", dict(G=2, initial_state=False)),
+    ("gamma", False, "contiguous", {}),
+    ("gamma", True, "head_tail", dict(G=2)),
+    ("none", False, "contiguous", {}),
+    ("none", True, "head_tail", dict(initial_state=False)),
+    ("logsigmoid", False, "head_tail", {}),
+    ("logsigmoid", True, "contiguous", {}),
+    ("softplus", False, "contiguous", dict(G=2)),
+    ("softplus", True, "head_tail", {}),
+]
+
+
+def _case_check(gate: str, reverse: bool, layout: str, shape: dict):
+    def check(ctx):
+        return _cp_errors(ctx, gate, reverse, layout, **shape)
+
+    check.__name__ = f"{gate}_{'reverse' if reverse else 'forward'}_{layout}" + "".join(
+        f"_{k}{v}" for k, v in shape.items())
+    globals()[check.__name__] = check  # the ranks look checks up by name
+    return check
+
+
+CASE_CHECKS = [_case_check(*case) for case in CASES]
+
+
+def uneven_slices(ctx):
+    """T = 21 over the ranks: slices of different lengths (torch.chunk's)."""
+    return _cp_errors(ctx, "vector", T=21)
+
+
+def outputs_only(ctx):
+    """No initial state, no final state, a loss on o alone: the first rank's o depends on no other
+    rank, yet its backward must join the all-gather's backward (else the others wait forever)."""
+    from gla_inductor.distributed import context_parallel_gla
+
+    import gla_inductor
+
+    tensors, _ = cases.gla_inputs("vector", initial_state=False, device=ctx.device)
+    w_o, _ = cases.loss_weights(tensors)
+    index = _local_index(tensors["q"].shape[1], ctx.rank, ctx.world, "contiguous")
+    leaves = {n: x.clone().requires_grad_() for n, x in tensors.items()}
+    (gla_inductor.chunk_gla(**leaves)[0] * w_o).sum().backward()
+    local = {n: x[:, index].clone().requires_grad_() for n, x in tensors.items()}
+    o, ht = context_parallel_gla(**local)
+    assert ht is None
+    (o * w_o[:, index]).sum().backward()
+    return {f"d{n}": cases.rel_err(local[n].grad, leaves[n].grad[:, index]) for n in local}
+
+
+def dtensor_sequence(ctx):
+    """DTensor inputs, Shard(1) over time, the rest Replicate: o Shard(1), the final state Replicate
+    (counted once), Partial gradients for the replicated inputs."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gla_inductor.distributed import context_parallel_gla
+
+    tensors, options = cases.gla_inputs("softplus", T=22, device=ctx.device)
+    w_o, w_h = cases.loss_weights(tensors)
+    ref_out, ref_grads = cases.reference(tensors, options, w_o, w_h)
+    dt = {n: distribute_tensor(x, ctx.mesh, [Shard(1) if n in cases.SEQUENCE else Replicate()])
+          for n, x in tensors.items()}
+    weights = [distribute_tensor(w_o, ctx.mesh, [Shard(1)]), distribute_tensor(w_h, ctx.mesh, [Replicate()])]
+    out, grads = cases.forward_backward(context_parallel_gla, dt, options, *weights)
+    assert out["o"].placements == (Shard(1),) and out["ht"].placements == (Replicate(),)
+    errors = {n: cases.rel_err(x.full_tensor(), ref_out[n]) for n, x in out.items()}
+    errors.update({f"d{n}": cases.rel_err(g.full_tensor(), ref_grads[n]) for n, g in grads.items()})
+    return errors
+
+
+def dtensor_sequence_and_heads(ctx):
+    """A 2 x (W/2) mesh: time over mesh dim 0 (context parallel), heads over mesh dim 1 (tensor
+    parallel), grouped q/k, the initial state and g_gamma over heads."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gla_inductor.distributed import context_parallel_gla
+
+    mesh = ctx.make_mesh((2, ctx.world // 2), ("cp", "tp"))
+    tensors, options = cases.gla_inputs("gamma", G=ctx.world // 2, H=ctx.world, device=ctx.device)
+    w_o, w_h = cases.loss_weights(tensors)
+    ref_out, ref_grads = cases.reference(tensors, options, w_o, w_h, reverse=True)
+    heads = {"initial_state": 1, "g_gamma": 0}
+    dt = {n: distribute_tensor(x, mesh, [Shard(1) if n in cases.SEQUENCE else Replicate(), Shard(heads.get(n, 2))])
+          for n, x in tensors.items()}
+    weights = [distribute_tensor(w, mesh, [Replicate(), Replicate()]) for w in (w_o, w_h)]
+    out, grads = cases.forward_backward(context_parallel_gla, dt, options, *weights, reverse=True)
+    assert out["o"].placements == (Shard(1), Shard(2)), out["o"].placements
+    assert out["ht"].placements == (Replicate(), Shard(1)), out["ht"].placements
+    errors = {n: cases.rel_err(x.full_tensor(), ref_out[n]) for n, x in out.items()}
+    errors.update({f"d{n}": cases.rel_err(g.full_tensor(), ref_grads[n]) for n, g in grads.items()})
+    return errors
+
+
+# Both compiled checks run the same case: their graphs compile to the same C++ kernels, which the
+# second compile then finds in Inductor's code cache (each costs tens of seconds on a 2-core runner).
+# Two layers: their collectives must pair up across the ranks in both graphs.
+COMPILED_CASE = dict(gate="vector", G=2, layers=2)
+
+
+def compiled_inductor(ctx):
+    """fullgraph compile through plain Inductor: the all-gathers, and their backward's
+    reduce-scatters, are functional collectives inside the compiled graphs, the same on every rank
+    (NOTE:[CP uniform graph])."""
+    from gla_inductor.distributed import context_parallel_gla
+
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled = torch.compile(two_layers(context_parallel_gla), backend=cases.recording_inductor(graphs),
+                             fullgraph=True)
+    errors = _cp_errors(ctx, fn=compiled, **COMPILED_CASE)
+    forward, backward = ([str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)] for gm in graphs)
+    gather, scatter, wait = (f"_c10d_functional.{c}.default" for c in ("all_gather_into_tensor",
+                                                                        "reduce_scatter_tensor", "wait_tensor"))
+    assert forward == [gather, wait] * 2, forward
+    assert backward == [scatter, wait] * 2, backward
+    return errors
+
+
+def compiled_gla_backend(ctx):
+    """fullgraph compile through gla_inductor.backend, forward and backward."""
+    import gla_inductor
+    from gla_inductor.distributed import context_parallel_gla
+
+    torch._dynamo.reset()
+    compiled = torch.compile(two_layers(context_parallel_gla), backend=gla_inductor.backend, fullgraph=True)
+    return _cp_errors(ctx, fn=compiled, **COMPILED_CASE)
+
+
+def error_bad_layouts(ctx):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gla_inductor.distributed import context_parallel_gla
+
+    tensors, _ = cases.gla_inputs("vector", T=9, device=ctx.device)
+    cases.expect_error(lambda: context_parallel_gla(**tensors, layout="zigzag"), ValueError,
+                       "layout must be one of ('contiguous', 'head_tail'), got 'zigzag'")
+    cases.expect_error(lambda: context_parallel_gla(**tensors, layout="head_tail"), ValueError,
+                       "layout='head_tail' needs each rank's T (9) divisible by 2")
+    heads = {n: distribute_tensor(x, ctx.mesh, [Shard(2) if n in cases.SEQUENCE else Replicate()])
+             for n, x in tensors.items()}
+    cases.expect_error(lambda: context_parallel_gla(**heads), ValueError,
+                       "q is (Shard(dim=2),); expected Shard(1) (over time) on exactly one mesh dim")
+    seq = {n: distribute_tensor(x, ctx.mesh, [Shard(1) if n in ("q", "k", "g") else Replicate()])
+           for n, x in tensors.items()}
+    cases.expect_error(lambda: context_parallel_gla(**seq), ValueError,
+                       "v is Replicate() on mesh dim 0 where q is Shard(1); expected Shard(dim=1)")
+    seq["v"] = tensors["v"]
+    cases.expect_error(lambda: context_parallel_gla(**seq), TypeError,
+                       "q is a DTensor but v is not")
+    return {}
+
+
+CHECKS_2 = [*CASE_CHECKS, uneven_slices, outputs_only, dtensor_sequence, error_bad_layouts, compiled_inductor,
+            compiled_gla_backend]
+CHECKS_4 = [CASE_CHECKS[0], CASE_CHECKS[3], CASE_CHECKS[11], uneven_slices, dtensor_sequence,
+            dtensor_sequence_and_heads]
+
+
+@functools.cache
+def _results(world: int, backend: str):
+    checks = CHECKS_2 if world == 2 else CHECKS_4
+    return harness.run_checks(__name__, [c.__name__ for c in checks], world, backend)
+
+
+@pytest.mark.parametrize("check", CHECKS_2, ids=lambda c: c.__name__)
+def test_two_ranks(check):
+    harness.assert_close(_results(2, "gloo"), check.__name__, RTOL)
+
+
+@pytest.mark.parametrize("check", CHECKS_4, ids=lambda c: c.__name__)
+def test_four_ranks(check):
+    harness.assert_close(_results(4, "gloo"), check.__name__, RTOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl(world):
+    if reason := harness.need_gpus(world):
+        pytest.skip(reason)
+    checks = CHECKS_2 if world == 2 else CHECKS_4
+    results = harness.run_checks(__name__, [c.__name__ for c in checks], world, "nccl")
+    for check in checks:
+        harness.assert_close(results, check.__name__, CUDA_RTOL)
