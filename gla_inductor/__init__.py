@@ -5,6 +5,8 @@
 Logs go to the "gla_inductor" logger; TORCH_LOGS="gla_inductor" shows them.
 """
 
+import torch
+
 from . import config
 from .backend import backend
 from .contract import LayoutWarning
@@ -21,5 +23,9 @@ def _register_lowerings() -> None:
 
 
 on_first_trace(_register_lowerings)
+
+if torch.distributed.is_available():
+    # the ops' sharding rules, so that they run on DTensors (gla_inductor.distributed)
+    from . import distributed  # noqa: F401
 
 __all__ = ["LayoutWarning", "backend", "chunk_gla", "config", "explain", "fused_recurrent_gla"]

@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-import gla_inductor
+from ..ops import chunk_gla
 from ..gates import GateFn, log_gate
 from . import tensor_parallel as tp
 
@@ -176,7 +176,7 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
     seg = _Segments.of(layout, rank, world)
     n = len(seg.own)
     q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
-    o, S = gla_inductor.chunk_gla(
+    o, S = chunk_gla(
         q_, k_, v_, g_, g_gamma=g_gamma, scale=scale, output_final_state=True, reverse=reverse,
         gate_fn=fn.name or None, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi, gate_a=gate_a,
         gate_bias=gate_bias)
