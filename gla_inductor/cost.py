@@ -2,18 +2,20 @@
 
 A rewrite must never be slower than not rewriting. Where a GLA instance runs many steps, our op
 wins by far (it reads every input once and keeps the state on chip); where it runs one or a few
-steps without gradients (decoding), the work is one pass over the state, which Inductor fuses into
-generated code as well as we can, and our op's host cost per call decides. So the model compares,
-for each candidate:
+steps without gradients (decoding), the work is a pass over the state, which Inductor fuses into
+generated code nearly as well, and our op's host cost per call decides. The model compares, for
+each candidate, the larger of host and device time on either side (the two overlap):
 
-    ours     = HOST_OP  + passes_ours     * state_bytes / bandwidth
-    inductor = HOST_GRAPH + passes_inductor * state_bytes / bandwidth
+    ours     = max(HOST_OP,    (OUR_PASSES + OUR_PASSES_PER_STEP * T) * pass)
+    inductor = max(HOST_GRAPH, T * pass / INDUCTOR_EFFICIENCY)
 
-with one pass a read and a write of the [B, H, K, V] state in fp32: our op makes ``OUR_PASSES``
-(its kernel's pass, and the functionalized in-place update's copy where the state is a cache the
-graph writes), Inductor's code one per step. The constants come from the decode benchmark
-(``python -m benchmarks decode``; benchmarks/results/README.md lists the latest result) and are
-deliberately on our side's pessimistic end: a candidate is rewritten only where the model says it
+with ``pass`` a read and a write of the [B, H, K, V] fp32 state at the device's copy bandwidth.
+On CUDA our recurrent kernel makes one pass for all T steps (96% of copy bandwidth under CUDA
+graphs), Inductor's code one pass per step (87-90%); on CPU our decode op is a PyTorch time loop
+of three passes per step. The constants come from ``python -m benchmarks decode`` (H200: the op
+called eagerly took 0.19 / 0.22 / 0.27 ms at B = 64 / 128 / 256, H = 32, K = V = 128, against
+0.08 / 0.15 / 0.29 ms for the compiled naive step; benchmarks/results/README.md lists the file)
+and lean to our side's pessimistic end: a candidate is rewritten only where the model says it
 wins. Candidates with gradients, and every form but short steps, are rewritten: there the op's
 chunked kernels and their backward win at every measured shape.
 """
@@ -31,20 +33,20 @@ SHORT_STEPS = 8
 
 @dataclass(frozen=True)
 class DeviceModel:
-    bandwidth_gbs: float  # a state pass's rate, GB/s (read + write counted)
-    host_op_ms: float  # host cost of one call of our op inside a compiled graph
-    host_graph_ms: float  # host cost of a compiled graph's generated kernel call
-    our_passes: float  # passes over the state our op's call makes (kernel, functionalization copy)
+    bandwidth_gbs: float  # copy bandwidth, GB/s (bytes read + written)
+    host_op_ms: float  # host cost of one call of our op
+    host_graph_ms: float  # host cost of a compiled graph's generated kernel
+    our_passes: float  # passes over the state our op makes per call, whatever T
+    our_passes_per_step: float  # and per step
+    inductor_efficiency: float  # Inductor's code's share of copy bandwidth on one pass per step
 
 
-# CPU: two cores of the CI machine; CUDA: an H100/H200 (decode benchmark, no CUDA graph).
 MODELS = {
-    "cpu": DeviceModel(bandwidth_gbs=10.0, host_op_ms=0.10, host_graph_ms=0.01, our_passes=3.0),
-    "cuda": DeviceModel(bandwidth_gbs=2500.0, host_op_ms=0.15, host_graph_ms=0.035, our_passes=2.0),
+    "cpu": DeviceModel(bandwidth_gbs=10.0, host_op_ms=0.10, host_graph_ms=0.01, our_passes=0.0,
+                       our_passes_per_step=3.0, inductor_efficiency=1.0),
+    "cuda": DeviceModel(bandwidth_gbs=4000.0, host_op_ms=0.20, host_graph_ms=0.04, our_passes=1 / 0.96,
+                        our_passes_per_step=0.0, inductor_efficiency=0.88),
 }
-# Under CUDA graphs the host costs vanish for both; a cache mutated in place keeps the graph out
-# of capture for both as well (torch skips cudagraphs on mutated inputs), so "reduce-overhead"
-# changes nothing for such steps.
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,9 @@ def estimate(c: Candidate) -> Optional[Estimate]:
     if model is None or c.steps is None or c.batch_heads is None:
         return None
     pass_ms = c.batch_heads * c.K * c.V * 4 * 2 / (model.bandwidth_gbs * 1e6)
-    ours = model.host_op_ms + model.our_passes * pass_ms
-    inductor = model.host_graph_ms + max(c.steps, 1) * pass_ms
+    steps = max(c.steps, 1)
+    ours = max(model.host_op_ms, (model.our_passes + model.our_passes_per_step * steps) * pass_ms)
+    inductor = max(model.host_graph_ms, steps * pass_ms / model.inductor_efficiency)
     return Estimate(ours, inductor)
 
 

@@ -46,13 +46,15 @@ def test_long_loops_and_training_are_rewritten():
 
 
 def test_model_decisions():
-    decode = dict(form="decode", steps=1, K=128, V=128, needs_grad=False)
-    for device in ("cpu", "cuda"):
-        for bh in (16 * 32, 256 * 32):
-            assert cost.unprofitable_reason(cost.Candidate(batch_heads=bh, device=device, **decode)) is not None
+    def reason(device, B, steps=1, H=32):
+        return cost.unprofitable_reason(cost.Candidate(form="decode", steps=steps, batch_heads=B * H, K=128, V=128,
+                                                       device=device, needs_grad=False))
+
+    # measured (H200): the eager op loses to Inductor's fused step at B = 64 and 128, wins at 256
+    assert reason("cuda", 64) is not None and reason("cuda", 128) is not None and reason("cuda", 256) is None
+    assert reason("cuda", 64, steps=4) is None  # one pass over the state against four
+    assert reason("cpu", 16) is not None and reason("cpu", 256) is not None and reason("cpu", 16, steps=8) is not None
     long = cost.Candidate(form="loop", steps=512, batch_heads=8, K=64, V=64, device="cpu", needs_grad=False)
     assert cost.unprofitable_reason(long) is None
     unknown = cost.Candidate(form="decode", steps=None, batch_heads=8, K=64, V=64, device="cpu", needs_grad=False)
-    assert cost.unprofitable_reason(unknown) is None
-    est = cost.estimate(cost.Candidate(batch_heads=128 * 32, device="cuda", **decode))
-    assert est.ours_ms > est.inductor_ms
+    assert cost.unprofitable_reason(unknown) is None and cost.estimate(unknown) is None
