@@ -4,6 +4,7 @@
 benchmark: the first crashed the match (caught: the graph stayed naive), the second replaced only the
 cast read and left the naive [B, H, T, T, K] product alive for the other."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,6 +13,8 @@ from gla_inductor.backend import _listeners
 from gla_inductor.reference import naive_recurrent_gla
 
 from helpers import rel_norm_err
+
+pytestmark = pytest.mark.compat  # run again on the newest torch and triton (.ci/run)
 
 
 def naive_gla(q, k, v, g):

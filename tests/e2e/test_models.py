@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 FAST_PATHS = ("mamba_ssm", "causal_conv1d", "fla", "kernels")
 
-pytestmark = pytest.mark.usefixtures("one_thread", "seeded_compiler")
+pytestmark = [pytest.mark.usefixtures("one_thread", "seeded_compiler"), pytest.mark.compat]
 
 
 def installed(name: str) -> bool:

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 INTERPRETED = type(triton.language.cumsum).__name__ == "InterpretedFunction"
-pytestmark = pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = [pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs a GPU or TRITON_INTERPRET=1"), pytest.mark.compat]
 
 # how the output code calls the eager op (a fallback), as opposed to comments that name it
 EXTERN_CALL = re.compile(r"^\s*[\w, ]+ = torch\.ops\.gla_inductor\.\w+\.default\(", re.MULTILINE)

@@ -19,7 +19,7 @@ from helpers import HEAD_FIRST_SIZES, check_rewrite_exact, head_first_inputs
 
 B, H, T, K, V = HEAD_FIRST_SIZES
 
-pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
+pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_compiler"), pytest.mark.compat]
 
 
 # ---- parallel form, heads flattened for bmm ----------------------------------------------------

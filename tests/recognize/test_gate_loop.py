@@ -25,7 +25,7 @@ from helpers import FP32_TOL, check_against_float64, rel_err, rewrite_then_eager
 B, T, H, K, V = 2, 7, 3, 4, 5
 
 
-pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
+pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_compiler"), pytest.mark.compat]
 
 
 def _read(q_t, S):

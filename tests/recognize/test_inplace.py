@@ -22,7 +22,7 @@ B, H, T, K, V = 2, 2, 5, 3, 4
 TOL = 1e-5
 
 
-pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
+pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_compiler"), pytest.mark.compat]
 
 
 def loop_inputs():

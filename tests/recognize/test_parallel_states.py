@@ -17,7 +17,7 @@ from helpers import (FP32_TOL, HEAD_FIRST_SIZES, check_rewrite_exact, compile_re
 
 B, H, T, K, V = HEAD_FIRST_SIZES
 
-pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
+pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_compiler"), pytest.mark.compat]
 
 
 def rcumsum(g, dim):

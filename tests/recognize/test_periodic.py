@@ -25,7 +25,7 @@ from spellings import NEAR_MISSES, SPELLINGS
 B, T, H, K, V = 2, 12, 2, 4, 3
 
 
-pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
+pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_compiler"), pytest.mark.compat]
 
 
 def _read(q_t, S):

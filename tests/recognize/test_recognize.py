@@ -11,7 +11,7 @@ from spellings import NEAR_MISSES, SPELLINGS
 
 BF16_TOL = 1e-2
 
-pytestmark = pytest.mark.usefixtures("seeded_compiler")
+pytestmark = [pytest.mark.usefixtures("seeded_compiler"), pytest.mark.compat]
 
 
 @pytest.mark.parametrize("sp", SPELLINGS, ids=lambda s: s.name)

@@ -16,6 +16,8 @@ from gla_inductor.backend import rewrite
 from helpers import FP32_TOL, outputs, rel_err
 from spellings import DECODES, SPELLINGS
 
+pytestmark = pytest.mark.compat  # run again on the newest torch and triton (.ci/run)
+
 BY_NAME = {s.name: s for s in SPELLINGS + DECODES}
 
 
