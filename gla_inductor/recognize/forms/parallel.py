@@ -30,7 +30,8 @@ from ..core.analyzer import Analyzer
 from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
-from . import periodic
+from ..core.op_names import op_name
+from . import periodic, static_decay
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
@@ -80,7 +81,37 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             covered.add(n)
         else:
             near.append(NearMiss("parallel", str(r), [n]))
-    return matches, near
+    return matches, near + _normalized_scores(an)
+
+
+NORMALIZED = ("the scores q k^T D are divided by a value computed from them before the product with v "
+              "(a data-dependent normalization of each query's row), not GLA")
+
+
+def _normalized_scores(an: Analyzer) -> list:
+    """Near misses for retention whose scores are normalized by their own row sums (torchscale's
+    qk / |qk|.sum(-1)): the output contracts over time a quotient of scores by data, and v."""
+    found = []
+    for n in an.nodes:
+        av = an.value(n) if op_name(n) in ("matmul", "bmm", "einsum") else None
+        if av is None or len(av.terms) != 1 or len(mono_vars(av.terms[0]) - out_vars(av.out)) != 1:
+            continue
+        atoms = _data_atoms(an, av.terms[0][1])
+        if len(atoms) == 2 and any(_normalized(an, f.atom.node) for f in atoms):
+            found.append(NearMiss("parallel", NORMALIZED, [n]))
+    return found
+
+
+def _normalized(an: Analyzer, x: fx.Node) -> bool:
+    """x = scores / y with y computed from the scores (q k^T contracted over one axis)."""
+    if op_name(x) != "div" or len(x.args) < 2 or not all(isinstance(a, fx.Node) for a in x.args[:2]):
+        return False
+    scores, norm = x.args[:2]
+    av = an.value(scores)
+    if av is None or len(av.terms) != 1 or len(out_vars(av.out)) < 2:
+        return False
+    summed = mono_vars(av.terms[0]) - out_vars(av.out)
+    return len(_data_atoms(an, av.terms[0][1])) == 2 and len(summed) == 1 and depends_on(an, norm, {scores})
 
 
 def proven(an: Analyzer, node: fx.Node) -> bool:
@@ -103,22 +134,22 @@ def analyze(an: Analyzer, node: fx.Node):
 def _candidates(an: Analyzer) -> dict:
     if "parallel_candidates" not in an.memo:
         cands = {}
-        unread = periodic.unread(an, lambda n: _candidate(an.value(n)) is not None)
+        unread = periodic.unread(an, lambda n: _candidate(an, an.value(n)) is not None)
         for n in (n for n in an.graph.nodes if n not in unread):
-            c = _candidate(an.value(n))
+            c = _candidate(an, an.value(n))
             if c is not None:
                 cands[n] = c
         an.memo["parallel_candidates"] = cands
     return an.memo["parallel_candidates"]
 
 
-def _candidate(av: Optional[AV]) -> Optional[Candidate]:
+def _candidate(an: Analyzer, av: Optional[AV]) -> Optional[Candidate]:
     """One monomial of three inputs contracted over two axes under a decay, and at most one
     more: a product of two inputs contracted over one axis (q and the initial state)."""
     if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2:
         return None
     ov = out_vars(av.out)
-    par = [m for m in av.terms if _is_parallel(m, ov)]
+    par = [m for m in av.terms if _is_parallel(an, m, ov)]
     if len(par) != 1:
         return None
     rest = [m for m in av.terms if m is not par[0]]
@@ -127,11 +158,15 @@ def _candidate(av: Optional[AV]) -> Optional[Candidate]:
     return Candidate(av, par[0], rest[0] if rest else None)
 
 
-def _is_parallel(m, ov: set) -> bool:
+def _is_parallel(an: Analyzer, m, ov: set) -> bool:
     """Three inputs under a decay, contracted over time and K (over time alone where K has
-    size 1)."""
-    atoms = [f for f in m[1] if f.kind == "atom"]
-    return len(atoms) == 3 and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
+    size 1). A tensor computed from positions and module state only (RetNet's decay mask from a
+    per-head buffer) is part of the decay, not an input."""
+    return len(_data_atoms(an, m[1])) == 3 and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
+
+
+def _data_atoms(an: Analyzer, fs) -> list:
+    return [f for f in fs if f.kind == "atom" and not static_decay.is_static_atom(an, f)]
 
 
 def _is_state_read(m, ov: set) -> bool:
@@ -147,15 +182,15 @@ def _same_inputs(a: Candidate, b: Candidate) -> bool:
     return names(a) == names(b)
 
 
-def _roles(av: AV, term) -> Roles:
+def _roles(an: Analyzer, av: AV, term) -> Roles:
     """q, k, v and the axes: i (query time), j (key time, summed), kk (summed), vv (kept).
     K or V of size 1 has no variable (kk or vv is None): a size-1 contraction is a product."""
     coef, fs = term
-    atoms = [f for f in fs if f.kind == "atom"]
+    atoms = _data_atoms(an, fs)
     # time and value are single axes; batch entries may be roles merged (B * H for bmm)
     out = [v for v in av.out if type(v) is int]
     summed = mono_vars(term) - out_vars(av.out)
-    others = [f for f in fs if f.kind != "atom"]
+    others = [f for f in fs if f not in atoms]
     other_vars = set().union(*[factor_vars(f) for f in others]) if others else set()
 
     def holders(v):
@@ -228,30 +263,48 @@ def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
 # ---- the whole analysis ---------------------------------------------------------------------
 def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
     av = cand.av
-    r = _roles(av, cand.par)
+    r = _roles(an, av, cand.par)
     coef, fs = cand.par
     # one batch axis is read as the heads (B = 1): a constant gate per head then fits it
     letter = {x: "bh"[n + 2 - len(r.batch)] for n, x in enumerate(r.batch)}
     letter.update({x: c for x, c in ((r.kk, "k"), (r.vv, "v")) if x is not None})  # (none for size 1)
-    masks, exps, scalars = [], [], []
-    for f in fs:
-        if f.kind == "atom":
-            continue
-        if f.kind == "scalar":
-            scalars.append(f)
-            continue
-        if not factor_vars(f) <= set(r.batch) | {r.i, r.j, r.kk}:
-            raise Reject("the decay is indexed by the value axis")
-        (exps if f.kind == "exp" else masks).append(f)
-    reverse = _direction(an, masks, r)
+    data = [r.q, r.k, r.v]
+    scalars = [f for f in fs if f.kind == "scalar"]
+    decay = [f for f in fs if f.kind != "scalar" and not any(f is x for x in data)]
+    if any(not factor_vars(f) <= set(r.batch) | {r.i, r.j, r.kk} for f in decay):
+        raise Reject("the decay is indexed by the value axis")
     T = int(size_hint(an.sizes[r.i]))
-    gate = read_gate(an, exps, r.i, r.j, r.batch, letter, reverse, T)
+    gate, reverse = _read_decay(an, decay, r, letter, T)
     keys = {r.q.atom.node, r.k.atom.node} | set(gate.reads)
     if depends_on(an, r.v.atom.node, keys):
         raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
     h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
     final = _final_state(an, node, r, letter, gate, reverse, T, h0)
     return _build(an, node, av, r, letter, gate, coef, scalars, h0, final, reverse)
+
+
+def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tuple:
+    """(gate, reverse) of the decay factors: read term by term as cumulative log gates, or,
+    where that fails and the decay depends on positions and module state only, evaluated."""
+    if not any(static_decay.is_static_atom(an, f) for f in decay):
+        try:
+            masks = [f for f in decay if f.kind != "exp"]
+            reverse = _direction(an, masks, r)
+            exps = [f for f in decay if f.kind == "exp"]
+            return read_gate(an, exps, r.i, r.j, r.batch, letter, reverse, T), reverse
+        except Reject:
+            if not static_decay.all_static(an, decay):
+                raise
+    if not static_decay.all_static(an, decay):
+        raise Reject("the decay mixes a gate input with a mask computed from module state")
+    st = static_decay.read(an, decay, r.i, r.j, r.batch, letter)
+    if st.kind == "none":
+        return Gate("none", [], reads=st.reads), st.reverse
+
+    def emit(em):
+        return static_decay.emit_log_gate(em, an, decay, r.i, r.j, letter, st.reverse)
+
+    return Gate("constant", [], reads=st.reads, emit=emit), st.reverse
 
 
 def _direction(an: Analyzer, masks: list, r: Roles) -> bool:
@@ -557,7 +610,7 @@ def _emit_gate(em: Emitter, gate: Gate):
     if gate.kind == "none":
         return None, None
     letters = {"vector": "bthk", "scalar": "bth", "constant": "h"}[gate.kind]
-    total = None
+    total = gate.emit(em) if gate.emit is not None else None
     for c, lf in gate.terms:
         node = em.lift(Group(c, (lf,)), letters, full=False)
         total = node if total is None else em.call(torch.add, total, node)
