@@ -207,6 +207,54 @@ def test_buffer_changed_after_compiling(name, buffer):
     assert rel_err(got, module(q, k, v)) <= FP32_TOL
 
 
+class LearnedDecay(nn.Module):
+    """A per-head log decay that trains: d = (i - j) * log_gamma[h], exp(tril(d)) under tril(ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_gamma = nn.Parameter(log_decay(H))
+
+    def forward(self, q, k, v):
+        n = q.shape[2]
+        pos = torch.arange(n, dtype=q.dtype)
+        d = (pos[:, None] - pos[None, :]) * self.log_gamma[:, None, None]
+        return ((q @ k.transpose(-1, -2)) * torch.exp(torch.tril(d)) * torch.ones(n, n).tril()) @ v
+
+
+def test_learned_decay_gets_its_gradient():
+    """The gate is computed from the parameter in the graph: its gradient flows through the op."""
+    module = LearnedDecay()
+    module64 = copy.deepcopy(module).double()
+    args = [a.requires_grad_() for a in inputs()]
+    got = torch.compile(module, backend=gla_inductor.backend, fullgraph=True)(*args)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    want = module64(*args64)
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (got.double() * w).sum().backward()
+    (want * w).sum().backward()
+    assert rel_err(got, want) <= FP32_TOL
+    assert rel_err(module.log_gamma.grad, module64.log_gamma.grad) <= FP32_TOL
+    for a, a64 in zip(args, args64):
+        assert rel_err(a.grad, a64.grad) <= FP32_TOL
+
+
+@pytest.mark.parametrize("name", ["torchscale", "power", "exp2"])
+def test_dynamic_lengths_do_not_recompile(name):
+    """The decay is checked at the length Dynamo hints; the gate, read in the graph, serves all."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    module = SPELLINGS[name]()
+    module64 = copy.deepcopy(module).double()
+    cnt = CompileCounterWithBackend(gla_inductor.backend)
+    compiled = torch.compile(module, backend=cnt, dynamic=True, fullgraph=True)
+    for t in (7, 11, 16):
+        q, k, v = (torch.randn(B, H, t, d) for d in (K, K, V))
+        assert rel_err(compiled(q, k, v), module64(q.double(), k.double(), v.double())) <= FP32_TOL
+    assert cnt.frame_count == 1
+    assert counters["gla_inductor"]["rewrites"] == 1
+
+
 # ---- look-alikes ------------------------------------------------------------------------------------
 class NonCausal(nn.Module):
     """gamma ** |i - j| over the whole matrix: the future decays too."""
