@@ -137,6 +137,19 @@ class EinsumDecay(nn.Module):
         return torch.einsum("bhqd,bhkd,hqk->bhqk", q, k, D) @ v
 
 
+class AntiCausal(nn.Module):
+    """The reverse form: gamma ** (j - i) on j >= i, triu."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gamma", 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float)))
+
+    def forward(self, q, k, v):
+        n = torch.arange(q.shape[2])
+        D = (self.gamma[:, None, None] ** (n[None, :] - n[:, None]).clamp(min=0)).triu()
+        return (q @ k.transpose(-1, -2) * D) @ v
+
+
 SPELLINGS = {
     "torchscale": lambda: TorchscaleRetention(),
     "torchscale_without_nan_to_num": lambda: TorchscaleRetention(nan_to_num=False),
@@ -147,6 +160,7 @@ SPELLINGS = {
     "tril_exp_tril": lambda: TrilExp(method=True),
     "exp2": lambda: Base2(),
     "einsum_third_operand": lambda: EinsumDecay(),
+    "anti_causal": lambda: AntiCausal(),
 }
 
 
@@ -169,6 +183,7 @@ def test_spelling_rewritten_with_a_constant_gate(name):
     matches = check_rewrite_exact(exact_in_float64(SPELLINGS[name]), inputs())
     assert counters["gla_inductor"]["rewrites"] == 1
     assert [(m.form, m.gate) for m in matches] == [("parallel", "constant")]
+    assert matches[0].options["reverse"] is (name == "anti_causal")
 
 
 def test_torchscale_through_inductor_with_gradients():
@@ -323,3 +338,30 @@ def test_look_alike_left_alone_with_its_reason(name):
     assert rel_err(got[0], fn(*[a.double() for a in args])) <= FP32_TOL
     reasons = [nm.reason for r in results for nm in r.near_misses if nm.form == "parallel"]
     assert any(reason in x for x in reasons), reasons
+
+
+def decay_from_an_argument(q, k, v, gamma):
+    n = torch.arange(q.shape[2])
+    dist = n[:, None] - n[None, :]
+    D = (gamma[:, None, None] ** dist).masked_fill(dist < 0, 0)
+    return (q @ k.transpose(-1, -2) * D) @ v
+
+
+def mask_as_an_argument(q, k, v, mask):
+    return (q @ k.transpose(-1, -2) * mask) @ v
+
+
+@pytest.mark.parametrize("fn, extra, name", [
+    (decay_from_an_argument, 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float)), "gamma"),
+    (mask_as_an_argument, torch.ones(H, T, T).tril(), "mask"),
+])
+def test_decay_from_an_argument_is_not_proven(fn, extra, name):
+    """A decay computed from a function's argument may differ at every call: left alone, and the
+    reason names the argument (not a wrong fact about q, k and v)."""
+    args = inputs() + [extra]
+    got, results = compile_rewritten(fn, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    assert rel_err(got[0], fn(*[a.double() for a in args])) <= FP32_TOL
+    reasons = [nm.reason for r in results for nm in r.near_misses]
+    assert reasons == [f"the decay D[i, j] is computed from the input(s) {name} (not constants or module buffers): "
+                       "its values change from call to call, so its form cannot be proven"]

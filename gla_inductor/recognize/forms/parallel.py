@@ -10,7 +10,9 @@ anti-causal form), and optionally the final state, a separate value
 
 The mask (tril, triu, masked_fill(-inf), where, 0/1 products) is evaluated concretely and
 must be exactly i >= j or j >= i. The decays are read as cumulative log gates by
-``parallel_decay.py``.
+``parallel_decay.py``; a decay that depends only on positions, constants and module buffers
+(RetNet's masks) is evaluated as a whole by ``static_decay.py``. Left alone with a reason: a
+decay computed from a function's arguments, and scores divided by their own row sums.
 """
 
 from __future__ import annotations
@@ -79,9 +81,16 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         if isinstance(r, Match):
             matches.append(r)
             covered.add(n)
-        else:
-            near.append(NearMiss("parallel", str(r), [n]))
+        elif not any(u in cands and _within(cands[n], cands[u]) for u in n.users):
+            near.append(NearMiss("parallel", str(r), [n]))  # (a part of a larger candidate is not one)
     return matches, near + _normalized_scores(an)
+
+
+def _within(a: Candidate, b: Candidate) -> bool:
+    """Whether b's product holds every input of a's and more: a is a part of b (the scores
+    q k^T D of b = scores @ v, read alone as a product of three inputs)."""
+    names_a, names_b = _names(a), _names(b)
+    return len(names_b) > len(names_a) and all(names_b.count(x) >= names_a.count(x) for x in names_a)
 
 
 NORMALIZED = ("the scores q k^T D are divided by a value computed from them before the product with v "
@@ -150,7 +159,7 @@ def _candidate(an: Analyzer, av: Optional[AV]) -> Optional[Candidate]:
         return None
     ov = out_vars(av.out)
     par = [m for m in av.terms if _is_parallel(an, m, ov)]
-    if len(par) != 1:
+    if len(par) != 1 or len(_data_atoms(an, par[0][1])) == 4 and _input_decay_reason(an, av, par[0]) is None:
         return None
     rest = [m for m in av.terms if m is not par[0]]
     if rest and not _is_state_read(rest[0], ov):
@@ -162,7 +171,7 @@ def _is_parallel(an: Analyzer, m, ov: set) -> bool:
     """Three inputs under a decay, contracted over time and K (over time alone where K has
     size 1). A tensor computed from positions and module state only (RetNet's decay mask from a
     per-head buffer) is part of the decay, not an input."""
-    return len(_data_atoms(an, m[1])) == 3 and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
+    return len(_data_atoms(an, m[1])) in (3, 4) and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
 
 
 def _data_atoms(an: Analyzer, fs) -> list:
@@ -175,18 +184,59 @@ def _is_state_read(m, ov: set) -> bool:
     return len(atoms) == 2 and len(mono_vars(m) - ov) <= 1
 
 
+def _names(c: Candidate) -> list:
+    return sorted(f.atom.node.name for f in c.par[1] if f.kind == "atom")
+
+
 def _same_inputs(a: Candidate, b: Candidate) -> bool:
-    def names(c):
-        return sorted(f.atom.node.name for f in c.par[1] if f.kind == "atom")
-
-    return names(a) == names(b)
+    return _names(a) == _names(b)
 
 
-def _roles(an: Analyzer, av: AV, term) -> Roles:
+def _input_decay_reason(an: Analyzer, av: AV, term) -> Optional[str]:
+    """Why a product of four inputs is left alone where one of them is a decay D[.., i, j] of
+    the other three's attention: it is computed from inputs that change from call to call.
+    None where none of them is such a decay."""
+    atoms = _data_atoms(an, term[1])
+    for d in atoms:
+        try:
+            r = _roles(an, av, term, [f for f in atoms if f is not d])
+        except Reject:
+            continue
+        if {r.i, r.j} <= factor_vars(d) <= set(r.batch) | {r.i, r.j}:
+            inputs = sorted({_input_name(x) for x in _leaves(d.atom.node)})
+            return (f"the decay D[i, j] is computed from the input(s) {', '.join(inputs)} (not constants or "
+                    "module buffers): its values change from call to call, so its form cannot be proven")
+    return None
+
+
+def _input_name(node: fx.Node) -> str:
+    """The user's name of a graph input (L['gamma'] -> gamma), else the node's."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
+        return name[3:-2]
+    return name if isinstance(name, str) else node.name
+
+
+def _leaves(node: fx.Node) -> list:
+    seen, frontier, found = set(), [node], []
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.append(n)
+        frontier += n.all_input_nodes
+    return found
+
+
+def _roles(an: Analyzer, av: AV, term, atoms: Optional[list] = None) -> Roles:
     """q, k, v and the axes: i (query time), j (key time, summed), kk (summed), vv (kept).
     K or V of size 1 has no variable (kk or vv is None): a size-1 contraction is a product."""
     coef, fs = term
-    atoms = _data_atoms(an, fs)
+    atoms = _data_atoms(an, fs) if atoms is None else atoms
     # time and value are single axes; batch entries may be roles merged (B * H for bmm)
     out = [v for v in av.out if type(v) is int]
     summed = mono_vars(term) - out_vars(av.out)
@@ -263,6 +313,8 @@ def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
 # ---- the whole analysis ---------------------------------------------------------------------
 def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
     av = cand.av
+    if len(_data_atoms(an, cand.par[1])) == 4:  # (a candidate only where one is such a decay)
+        raise Reject(_input_decay_reason(an, av, cand.par))
     r = _roles(an, av, cand.par)
     coef, fs = cand.par
     # one batch axis is read as the heads (B = 1): a constant gate per head then fits it
@@ -278,6 +330,8 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
     keys = {r.q.atom.node, r.k.atom.node} | set(gate.reads)
     if depends_on(an, r.v.atom.node, keys):
         raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
+    if cand.h0 is not None and gate.emit is not None:
+        raise Reject("an initial-state term beside a decay evaluated from positions and buffers is not read yet")
     h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
     final = _final_state(an, node, r, letter, gate, reverse, T, h0)
     return _build(an, node, av, r, letter, gate, coef, scalars, h0, final, reverse)
