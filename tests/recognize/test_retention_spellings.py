@@ -175,7 +175,7 @@ def exact_in_float64(make):
     if not isinstance(fn, nn.Module):
         return fn
     fn64 = copy.deepcopy(fn).double()
-    return lambda q, k, v: (fn64 if q.dtype == torch.float64 else fn)(q, k, v)
+    return lambda x, *rest: (fn64 if x.dtype == torch.float64 else fn)(x, *rest)
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))
@@ -220,6 +220,34 @@ def test_buffer_changed_after_compiling(name, buffer):
     want = copy.deepcopy(module).double()(*[x.double() for x in (q, k, v)])
     assert rel_err(got, want) <= FP32_TOL
     assert rel_err(got, module(q, k, v)) <= FP32_TOL
+
+
+class Stack(nn.Module):
+    """Layers sharing one mask, as torchscale's decoder computes it once per forward: each layer's
+    v is computed from the previous layer's output (no correction of v by the decay)."""
+
+    def __init__(self, layers=3, width=12):
+        super().__init__()
+        self.rel_pos = TorchscaleMask()
+        self.proj = nn.ModuleList(nn.Linear(width, H * (2 * K + V)) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(H * V, width) for _ in range(layers))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        mask = self.rel_pos(n)
+        for proj, out in zip(self.proj, self.out):
+            q, k, v = proj(x).view(b, n, H, -1).transpose(1, 2).split([K, K, V], dim=-1)
+            o = (q @ k.transpose(-1, -2) * K ** -0.5 * mask) @ v
+            x = x + out(o.transpose(1, 2).reshape(b, n, H * V))
+        return x
+
+
+def test_layers_sharing_one_mask():
+    fn = exact_in_float64(Stack)
+    x = torch.randn(B, T, 12, generator=torch.Generator().manual_seed(2))
+    matches = check_rewrite_exact(fn, [x])
+    assert counters["gla_inductor"]["rewrites"] == 3
+    assert {(m.form, m.gate) for m in matches} == {("parallel", "constant")}
 
 
 class LearnedDecay(nn.Module):

@@ -198,6 +198,7 @@ class ConstAnalysis:
             self._const[n] = n not in mutated and self._classify(n)
         # nodes computed from constants and module state (buffers, parameters) only
         self._static: dict[fx.Node, bool] = {}
+        self._static_values: dict[fx.Node, Any] = {}
         for n in nodes:
             self._static[n] = n not in mutated and self._classify_static(n)
 
@@ -249,7 +250,8 @@ class ConstAnalysis:
         """The value of a static node in float64 (on the CPU, sizes at their hints), from the
         module state's values at compile time, or from `state` (placeholder -> tensor) where
         given. None where it cannot be evaluated."""
-        memo: dict = {}
+        # values from the compile-time state are kept: layers share one mask
+        memo: dict = self._static_values if state is None else {}
 
         def arg(x):
             if isinstance(x, fx.Node):

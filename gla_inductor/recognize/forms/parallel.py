@@ -327,7 +327,9 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
         raise Reject("the decay is indexed by the value axis")
     T = int(size_hint(an.sizes[r.i]))
     gate, reverse = _read_decay(an, decay, r, letter, T)
-    keys = {r.q.atom.node, r.k.atom.node} | set(gate.reads)
+    # (a decay from positions and buffers is shared by stacked layers: the next layer's v is
+    # computed from this one's output, which is no correction of v by the decay)
+    keys = {r.q.atom.node, r.k.atom.node} | (set(gate.reads) if gate.emit is None else set())
     if depends_on(an, r.v.atom.node, keys):
         raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
     if cand.h0 is not None and gate.emit is not None:
