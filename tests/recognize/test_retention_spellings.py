@@ -344,6 +344,21 @@ class NotSeparable(nn.Module):
         return (q @ k.transpose(-1, -2) * D) @ v
 
 
+class PrecomputedMask(nn.Module):
+    """The whole decay mask in a buffer made in __init__, sliced to the length: its values, not the
+    code, make it GLA's, and a mask written into the buffer later would not be seen."""
+
+    def __init__(self, max_len=32):
+        super().__init__()
+        n = torch.arange(max_len)
+        dist = (n[:, None] - n[None, :]).float()
+        self.register_buffer("mask", torch.exp(dist * log_decay(H)[:, None, None]) * (dist >= 0))
+
+    def forward(self, q, k, v):
+        n = q.shape[2]
+        return (q @ k.transpose(-1, -2) * self.mask[:, :n, :n]) @ v
+
+
 NEAR_MISSES = {
     "row_normalized_mask": (lambda: TorchscaleRetention(normalize=True),
                             "decay D[i, i] is 0.7127 (at i=1), expected 1: the decay is scaled per query"),
@@ -351,6 +366,8 @@ NEAR_MISSES = {
     "shifted_strict": (lambda: Shifted(offset=False), "decay D[i, i] is 0 (at i=0), expected 1"),
     "shifted_by_one": (lambda: Shifted(offset=True), "decay D[i, i] is 1.032 (at i=0), expected 1: the decay is c * gamma ** (i - j)"),
     "not_separable": (NotSeparable, "expected D[1, 0] ** (i - j) = "),
+    "mask_precomputed_in_a_buffer": (PrecomputedMask, "the decay is of GLA form for the values of mask at compile "
+                                     "time only (with them perturbed by up to 10%: decay D[i, i] is"),
     "scores_normalized_by_their_row_sums": (lambda: TorchscaleRetention(qk_norm=True),
                                             "divided by a value computed from them"),
 }

@@ -78,7 +78,9 @@ def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict)
             if D2 is None or _check(D2.reshape(-1, D.shape[-2], D.shape[-1])) != reverse:
                 raise Reject("the decay's direction changes with the buffer values")
         except Reject as e:
-            raise Reject(f"the decay is of GLA form for the buffer values at compile time only: {e}") from None
+            names = ", ".join(sorted(_state_name(n) for n in state))
+            raise Reject(f"the decay is of GLA form for the values of {names} at compile time only (with them "
+                         f"perturbed by up to 10%: {e}): a change after compiling could break it unseen") from None
     gammas = _gammas(D.reshape(-1, D.shape[-2], D.shape[-1]), reverse)
     buffered = any(_reads_state(an, f) for f in factors)
     kind = "constant" if buffered or not torch.all(gammas == 1) else "none"
@@ -217,6 +219,14 @@ def _state_nodes(an: Analyzer, factors: list) -> list:
             found.append(n)
         frontier += n.all_input_nodes
     return found
+
+
+def _state_name(node: fx.Node) -> str:
+    """L['self']._modules['rel']._buffers['decay'] -> rel.decay."""
+    name = node.meta["grapharg"].source.name
+    name = name() if callable(name) else name
+    parts = [p.split("']")[0] for p in name.split("['")[2:]]
+    return ".".join(parts) or node.name
 
 
 def _reads_state(an: Analyzer, f: Factor) -> bool:
