@@ -137,6 +137,21 @@ class EinsumDecay(nn.Module):
         return torch.einsum("bhqd,bhkd,hqk->bhqk", q, k, D) @ v
 
 
+class PositionsLikeQ(nn.Module):
+    """Positions cast to q's dtype (`arange(n).to(q)`, `ones(n, n).type_as(q)`): only q's dtype is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("decay", log_decay(H))
+
+    def forward(self, q, k, v):
+        n = q.shape[2]
+        pos = torch.arange(n).to(q)
+        causal = torch.ones(n, n).type_as(q).tril()
+        D = torch.exp((pos[:, None] - pos[None, :]) * self.decay[:, None, None]) * causal
+        return (q @ k.transpose(-1, -2) * D) @ v
+
+
 class AntiCausal(nn.Module):
     """The reverse form: gamma ** (j - i) on j >= i, triu."""
 
@@ -161,6 +176,7 @@ SPELLINGS = {
     "exp2": lambda: Base2(),
     "einsum_third_operand": lambda: EinsumDecay(),
     "anti_causal": lambda: AntiCausal(),
+    "positions_cast_like_q": lambda: PositionsLikeQ(),
 }
 
 
@@ -364,7 +380,8 @@ NEAR_MISSES = {
                             "decay D[i, i] is 0.7127 (at i=1), expected 1: the decay is scaled per query"),
     "non_causal": (NonCausal, "decay D[i, j] for j > i is 0.9688 (at i=0, j=1), expected 0"),
     "shifted_strict": (lambda: Shifted(offset=False), "decay D[i, i] is 0 (at i=0), expected 1"),
-    "shifted_by_one": (lambda: Shifted(offset=True), "decay D[i, i] is 1.032 (at i=0), expected 1: the decay is c * gamma ** (i - j)"),
+    "shifted_by_one": (lambda: Shifted(offset=True),
+                       "decay D[i, i] is 1.032 (at i=0), expected 1: the decay is c * gamma ** (i - j)"),
     "not_separable": (NotSeparable, "expected D[1, 0] ** (i - j) = "),
     "mask_precomputed_in_a_buffer": (PrecomputedMask, "the decay is of GLA form for the values of mask at compile "
                                      "time only (with them perturbed by up to 10%: decay D[i, i] is"),

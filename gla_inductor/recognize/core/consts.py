@@ -238,6 +238,8 @@ class ConstAnalysis:
         if n.op == "call_function" and n.target in _RANDOM:
             return False
         inputs = n.all_input_nodes
+        if n.op == "call_method" and n.target in ("to", "type_as") and inputs and n.args[0] is inputs[0]:
+            inputs = inputs[:1]  # x.to(q): only q's dtype is read
         return bool(inputs) and all(self._static.get(i, False) for i in inputs)
 
     def is_static(self, n: fx.Node) -> bool:
@@ -339,9 +341,13 @@ class ConstAnalysis:
             self_, *rest = args
             if isinstance(self_, _ShapeOnly):
                 return self_.call(n.target, rest, kwargs)
-            if n.target == "to":
+            if n.target in ("to", "type_as"):
+                # x.to(q) of a data tensor q reads its dtype; values are checked in float64
+                rest = [_float64_like(r) if isinstance(r, _ShapeOnly) else r for r in rest]
                 rest = [r for r in rest if not isinstance(r, (torch.device, str))]
                 kwargs.pop("device", None)
+                if n.target == "type_as":
+                    return self_.to(rest[0]) if isinstance(rest[0], torch.dtype) else self_.type_as(rest[0])
             return getattr(self_, n.target)(*rest, **kwargs)
         if n.target is getattr:
             return self_attr(args[0], args[1])
@@ -353,6 +359,10 @@ class ConstAnalysis:
                 return torch.full(shape, args[1], dtype=dtype)
             return torch.full(shape, fill, dtype=dtype)
         return n.target(*args, **kwargs)
+
+
+def _float64_like(x: "_ShapeOnly") -> torch.dtype:
+    return torch.float64 if x.val.dtype.is_floating_point else x.val.dtype
 
 
 def module_state(node: fx.Node) -> Optional[torch.Tensor]:

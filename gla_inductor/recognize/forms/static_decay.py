@@ -65,7 +65,8 @@ def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict)
     for f in factors:
         extra = factor_vars(f) - {i, j} - set(heads)
         if extra:
-            raise Reject("the decay depends on the batch" if extra <= set(batch) else "the decay is indexed by an axis other than the head and the two times")
+            raise Reject("the decay depends on the batch" if extra <= set(batch)
+                         else "the decay is indexed by an axis other than the head and the two times")
     axes = heads + [i, j]
     D = _evaluate(an, factors, axes)
     if D is None:
@@ -98,7 +99,11 @@ def _check(D: torch.Tensor) -> bool:
     bad = (D != 0) & off
     if bad.any():
         h, r, c = (int(x) for x in bad.nonzero()[0])
-        raise Reject(f"decay D[i, j] for j > i is {_num(D[h, r, c])} (at i={r}, j={c}), expected 0")
+        raise Reject(f"decay D[i, j] for {'j < i' if reverse else 'j > i'} is {_num(D[h, r, c])} (at i={r}, j={c}), "
+                     "expected 0")
+    if not torch.isfinite(D).all():
+        h, r, c = (int(x) for x in (~torch.isfinite(D)).nonzero()[0])
+        raise Reject(f"decay D[i, j] is {_num(D[h, r, c])} (at i={r}, j={c}), expected a finite number")
     diag = D.diagonal(dim1=-2, dim2=-1)
     gammas = _gammas(D, reverse)
     bad_diag = (diag - 1).abs() > RTOL
