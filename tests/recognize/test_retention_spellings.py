@@ -427,3 +427,37 @@ def test_decay_from_an_argument_is_not_proven(fn, extra, name):
     reasons = [nm.reason for r in results for nm in r.near_misses]
     assert reasons == [f"the decay D[i, j] is computed from the input(s) {name} (not constants or module buffers): "
                        "its values change from call to call, so its form cannot be proven"]
+
+
+class MaskCachedOnTheModule(nn.Module):
+    """gamma a plain tensor attribute (no register_buffer); the mask cached in a dict per length."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float))
+        self._masks = {}
+
+    def mask(self, n):
+        if n not in self._masks:
+            pos = torch.arange(n)
+            self._masks[n] = (self.gamma[:, None, None] ** (pos[:, None] - pos[None, :]).clamp(min=0)).tril()
+        return self._masks[n]
+
+    def forward(self, q, k, v):
+        return (q @ k.transpose(-1, -2) * self.mask(q.shape[2])) @ v
+
+
+def test_mask_cached_on_the_module():
+    """First call: the mask is computed from the attribute gamma in the graph, rewritten. Later,
+    Dynamo reads the cached mask itself, whose values alone make it GLA's: left alone, and said."""
+    module = MaskCachedOnTheModule()
+    reference = copy.deepcopy(module)
+    reference.gamma = reference.gamma.double()
+    q, k, v = inputs()
+    got = torch.compile(module, backend=gla_inductor.backend, fullgraph=True)(q, k, v)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert rel_err(got, reference(*[x.double() for x in (q, k, v)])) <= FP32_TOL
+    report = gla_inductor.explain(module, q, k, v)
+    assert report.matches == []
+    assert len(report.near_misses) == 1
+    assert report.near_misses[0].reason.startswith("the decay is of GLA form for the values of _masks[10] at compile")

@@ -366,13 +366,17 @@ def _float64_like(x: "_ShapeOnly") -> torch.dtype:
 
 
 def module_state(node: fx.Node) -> Optional[torch.Tensor]:
-    """The value at compile time of a placeholder that Dynamo lifted from a module's buffers or
-    parameters (None for other inputs: arguments differ from call to call)."""
+    """The value at compile time of a placeholder that Dynamo lifted from a module's state: its
+    buffers, parameters and plain tensor attributes (`self.gamma = ...`, a mask cached in a
+    dict on the module). None for other inputs: arguments differ from call to call."""
     arg = node.meta.get("grapharg")
     source = getattr(arg, "source", None)
     name = getattr(source, "name", "")
     name = name() if callable(name) else name
-    if "._buffers[" not in name and "._parameters[" not in name:
+    if not isinstance(name, str):
+        return None
+    state = "._buffers[" in name or "._parameters[" in name or name.startswith("L['self'].")
+    if not state:
         return None
     try:
         val = arg.example

@@ -18,6 +18,7 @@ longer causal (a positive log-decay under an infinite fill) is not guarded at ru
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -227,11 +228,13 @@ def _state_nodes(an: Analyzer, factors: list) -> list:
 
 
 def _state_name(node: fx.Node) -> str:
-    """L['self']._modules['rel']._buffers['decay'] -> rel.decay."""
+    """L['self']._modules['rel']._buffers['decay'] -> rel.decay; L['self']._masks[10] -> _masks[10]."""
     name = node.meta["grapharg"].source.name
     name = name() if callable(name) else name
-    parts = [p.split("']")[0] for p in name.split("['")[2:]]
-    return ".".join(parts) or node.name
+    name = re.sub(r"^[LG]\['[^']*'\]", "", name)  # the frame's own name for the module
+    for holder in ("._modules['", "._buffers['", "._parameters['"):
+        name = name.replace(holder, ".")
+    return name.replace("']", "").lstrip(".") or node.name
 
 
 def _reads_state(an: Analyzer, f: Factor) -> bool:
