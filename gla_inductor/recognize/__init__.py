@@ -13,7 +13,8 @@ The package's imports point one way, down this list:
 
     __init__, gate.py   the pipeline and gate fusion
     forms/              one module per form (loop, decode, parallel, chunked, chunk loop) and
-                        their parts (steps, step walks, periodic proofs, decay exponents, the
+                        their parts (steps, step walks, periodic proofs, decay exponents,
+                        decays evaluated from positions and buffers, the
                         intra-chunk monomial, a chunked candidate's reading, grouped heads)
     certify/            the float64 certificate of chunked candidates: the subgraph, the
                         replacement it is compared with (spec), its reduction (shrink)

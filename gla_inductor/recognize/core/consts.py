@@ -196,6 +196,11 @@ class ConstAnalysis:
         mutated = _written_later(nodes, writes, key)
         for n in nodes:
             self._const[n] = n not in mutated and self._classify(n)
+        # nodes computed from constants and module state (buffers, parameters) only
+        self._static: dict[fx.Node, bool] = {}
+        self._static_values: dict[fx.Node, Any] = {}
+        for n in nodes:
+            self._static[n] = n not in mutated and self._classify_static(n)
 
     def _classify(self, n: fx.Node) -> bool:
         val = example_value(n)
@@ -224,6 +229,62 @@ class ConstAnalysis:
 
     def is_const(self, n: fx.Node) -> bool:
         return self._const.get(n, False)
+
+    def _classify_static(self, n: fx.Node) -> bool:
+        if self._const[n] or n.op == "placeholder" and module_state(n) is not None:
+            return True
+        if n.op not in ("call_function", "call_method") or n in self._writes:
+            return False
+        if n.op == "call_function" and n.target in _RANDOM:
+            return False
+        inputs = n.all_input_nodes
+        if n.op == "call_method" and n.target in ("to", "type_as") and inputs and n.args[0] is inputs[0]:
+            inputs = inputs[:1]  # x.to(q): only q's dtype is read
+        return bool(inputs) and all(self._static.get(i, False) for i in inputs)
+
+    def is_static(self, n: fx.Node) -> bool:
+        """Whether n is computed from constants, sizes and module state only (a decay mask
+        built from a per-head buffer): its value is known at compile time for the state's
+        current values, and follows them when they change."""
+        return self._static.get(n, False)
+
+    def evaluate_static(self, n: fx.Node, state: Optional[dict] = None) -> Optional[torch.Tensor]:
+        """The value of a static node in float64 (on the CPU, sizes at their hints), from the
+        module state's values at compile time, or from `state` (placeholder -> tensor) where
+        given. None where it cannot be evaluated."""
+        # values from the compile-time state are kept: layers share one mask
+        memo: dict = self._static_values if state is None else {}
+
+        def arg(x):
+            if isinstance(x, fx.Node):
+                if x.op == "placeholder" and isinstance(example_value(x), torch.Tensor):
+                    if state is not None and x in state:
+                        return state[x]
+                    val = module_state(x)
+                    return val.detach().cpu().double() if val is not None else _ShapeOnly(example_value(x))
+                if self.is_const(x):
+                    return self.evaluate(x)
+                if not self.is_static(x):
+                    return _ShapeOnly(example_value(x))
+                if x not in memo:
+                    memo[x] = self._run(x, arg)
+                return memo[x]
+            if isinstance(x, (list, tuple)):
+                return type(x)(arg(i) for i in x)
+            if isinstance(x, dict):
+                return {k: arg(v) for k, v in x.items()}
+            if isinstance(x, torch.device):
+                return torch.device("cpu")
+            return size_hint(x)
+
+        val = example_value(n)
+        if not self.is_static(n) or isinstance(val, torch.Tensor) and val.numel() > _MAX_CONST_ELEMENTS:
+            return None
+        try:
+            res = arg(n)
+        except Exception:  # an exotic spelling: the candidate is simply not proven
+            return None
+        return res if isinstance(res, torch.Tensor) else None
 
     def is_zeros(self, n: fx.Node) -> bool:
         if n.op == "call_function" and n.target in _ZERO_FACTORIES:
@@ -265,23 +326,28 @@ class ConstAnalysis:
             return torch.device("cpu")
         return size_hint(x)
 
-    def _run(self, n: fx.Node):
+    def _run(self, n: fx.Node, arg=None):
+        arg = arg or self._arg
         if n.op == "get_attr":
             obj = self.graph.owning_module
             for part in n.target.split("."):
                 obj = getattr(obj, part)
             return obj.detach().cpu() if isinstance(obj, torch.Tensor) else obj
-        args = self._arg(n.args)
-        kwargs = self._arg(dict(n.kwargs))
+        args = arg(n.args)
+        kwargs = arg(dict(n.kwargs))
         if "device" in kwargs:
             kwargs["device"] = torch.device("cpu")
         if n.op == "call_method":
             self_, *rest = args
             if isinstance(self_, _ShapeOnly):
                 return self_.call(n.target, rest, kwargs)
-            if n.target == "to":
+            if n.target in ("to", "type_as"):
+                # x.to(q) of a data tensor q reads its dtype; values are checked in float64
+                rest = [_float64_like(r) if isinstance(r, _ShapeOnly) else r for r in rest]
                 rest = [r for r in rest if not isinstance(r, (torch.device, str))]
                 kwargs.pop("device", None)
+                if n.target == "type_as":
+                    return self_.to(rest[0]) if isinstance(rest[0], torch.dtype) else self_.type_as(rest[0])
             return getattr(self_, n.target)(*rest, **kwargs)
         if n.target is getattr:
             return self_attr(args[0], args[1])
@@ -293,6 +359,30 @@ class ConstAnalysis:
                 return torch.full(shape, args[1], dtype=dtype)
             return torch.full(shape, fill, dtype=dtype)
         return n.target(*args, **kwargs)
+
+
+def _float64_like(x: "_ShapeOnly") -> torch.dtype:
+    return torch.float64 if x.val.dtype.is_floating_point else x.val.dtype
+
+
+def module_state(node: fx.Node) -> Optional[torch.Tensor]:
+    """The value at compile time of a placeholder that Dynamo lifted from a module's state: its
+    buffers, parameters and plain tensor attributes (`self.gamma = ...`, a mask cached in a
+    dict on the module). None for other inputs: arguments differ from call to call."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    name = getattr(source, "name", "")
+    name = name() if callable(name) else name
+    if not isinstance(name, str):
+        return None
+    state = "._buffers[" in name or "._parameters[" in name or name.startswith("L['self'].")
+    if not state:
+        return None
+    try:
+        val = arg.example
+    except Exception:  # noqa: BLE001 - the example is held weakly and may be gone
+        return None
+    return val if isinstance(val, torch.Tensor) and val.numel() <= _MAX_CONST_ELEMENTS else None
 
 
 def self_attr(obj, name):

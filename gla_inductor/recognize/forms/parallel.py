@@ -10,7 +10,9 @@ anti-causal form), and optionally the final state, a separate value
 
 The mask (tril, triu, masked_fill(-inf), where, 0/1 products) is evaluated concretely and
 must be exactly i >= j or j >= i. The decays are read as cumulative log gates by
-``parallel_decay.py``.
+``parallel_decay.py``; a decay that depends only on positions, constants and module buffers
+(RetNet's masks) is evaluated as a whole by ``static_decay.py``. Left alone with a reason: a
+decay computed from a function's arguments, and scores divided by their own row sums.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from ..core.analyzer import Analyzer
 from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
-from . import periodic
+from ..core.op_names import op_name
+from . import periodic, static_decay
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
@@ -78,9 +81,46 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         if isinstance(r, Match):
             matches.append(r)
             covered.add(n)
-        else:
-            near.append(NearMiss("parallel", str(r), [n]))
-    return matches, near
+        elif not any(u in cands and _within(cands[n], cands[u]) for u in n.users):
+            near.append(NearMiss("parallel", str(r), [n]))  # (a part of a larger candidate is not one)
+    return matches, near + _normalized_scores(an)
+
+
+def _within(a: Candidate, b: Candidate) -> bool:
+    """Whether b's product holds every input of a's and more: a is a part of b (the scores
+    q k^T D of b = scores @ v, read alone as a product of three inputs)."""
+    names_a, names_b = _names(a), _names(b)
+    return len(names_b) > len(names_a) and all(names_b.count(x) >= names_a.count(x) for x in names_a)
+
+
+NORMALIZED = ("the scores q k^T D are divided by a value computed from them before the product with v "
+              "(a data-dependent normalization of each query's row), not GLA")
+
+
+def _normalized_scores(an: Analyzer) -> list:
+    """Near misses for retention whose scores are normalized by their own row sums (torchscale's
+    qk / |qk|.sum(-1)): the output contracts over time a quotient of scores by data, and v."""
+    found = []
+    for n in an.nodes:
+        av = an.value(n) if op_name(n) in ("matmul", "bmm", "einsum") else None
+        if av is None or len(av.terms) != 1 or len(mono_vars(av.terms[0]) - out_vars(av.out)) != 1:
+            continue
+        atoms = _data_atoms(an, av.terms[0][1])
+        if len(atoms) == 2 and any(_normalized(an, f.atom.node) for f in atoms):
+            found.append(NearMiss("parallel", NORMALIZED, [n]))
+    return found
+
+
+def _normalized(an: Analyzer, x: fx.Node) -> bool:
+    """x = scores / y with y computed from the scores (q k^T contracted over one axis)."""
+    if op_name(x) != "div" or len(x.args) < 2 or not all(isinstance(a, fx.Node) for a in x.args[:2]):
+        return False
+    scores, norm = x.args[:2]
+    av = an.value(scores)
+    if av is None or len(av.terms) != 1 or len(out_vars(av.out)) < 2:
+        return False
+    summed = mono_vars(av.terms[0]) - out_vars(av.out)
+    return len(_data_atoms(an, av.terms[0][1])) == 2 and len(summed) == 1 and depends_on(an, norm, {scores})
 
 
 def proven(an: Analyzer, node: fx.Node) -> bool:
@@ -103,23 +143,23 @@ def analyze(an: Analyzer, node: fx.Node):
 def _candidates(an: Analyzer) -> dict:
     if "parallel_candidates" not in an.memo:
         cands = {}
-        unread = periodic.unread(an, lambda n: _candidate(an.value(n)) is not None)
+        unread = periodic.unread(an, lambda n: _candidate(an, an.value(n)) is not None)
         for n in (n for n in an.graph.nodes if n not in unread):
-            c = _candidate(an.value(n))
+            c = _candidate(an, an.value(n))
             if c is not None:
                 cands[n] = c
         an.memo["parallel_candidates"] = cands
     return an.memo["parallel_candidates"]
 
 
-def _candidate(av: Optional[AV]) -> Optional[Candidate]:
+def _candidate(an: Analyzer, av: Optional[AV]) -> Optional[Candidate]:
     """One monomial of three inputs contracted over two axes under a decay, and at most one
     more: a product of two inputs contracted over one axis (q and the initial state)."""
     if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2:
         return None
     ov = out_vars(av.out)
-    par = [m for m in av.terms if _is_parallel(m, ov)]
-    if len(par) != 1:
+    par = [m for m in av.terms if _is_parallel(an, m, ov)]
+    if len(par) != 1 or len(_data_atoms(an, par[0][1])) == 4 and _input_decay_reason(an, av, par[0]) is None:
         return None
     rest = [m for m in av.terms if m is not par[0]]
     if rest and not _is_state_read(rest[0], ov):
@@ -127,11 +167,15 @@ def _candidate(av: Optional[AV]) -> Optional[Candidate]:
     return Candidate(av, par[0], rest[0] if rest else None)
 
 
-def _is_parallel(m, ov: set) -> bool:
+def _is_parallel(an: Analyzer, m, ov: set) -> bool:
     """Three inputs under a decay, contracted over time and K (over time alone where K has
-    size 1)."""
-    atoms = [f for f in m[1] if f.kind == "atom"]
-    return len(atoms) == 3 and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
+    size 1). A tensor computed from positions and module state only (RetNet's decay mask from a
+    per-head buffer) is part of the decay, not an input."""
+    return len(_data_atoms(an, m[1])) in (3, 4) and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
+
+
+def _data_atoms(an: Analyzer, fs) -> list:
+    return [f for f in fs if f.kind == "atom" and not static_decay.is_static_atom(an, f)]
 
 
 def _is_state_read(m, ov: set) -> bool:
@@ -140,22 +184,63 @@ def _is_state_read(m, ov: set) -> bool:
     return len(atoms) == 2 and len(mono_vars(m) - ov) <= 1
 
 
+def _names(c: Candidate) -> list:
+    return sorted(f.atom.node.name for f in c.par[1] if f.kind == "atom")
+
+
 def _same_inputs(a: Candidate, b: Candidate) -> bool:
-    def names(c):
-        return sorted(f.atom.node.name for f in c.par[1] if f.kind == "atom")
-
-    return names(a) == names(b)
+    return _names(a) == _names(b)
 
 
-def _roles(av: AV, term) -> Roles:
+def _input_decay_reason(an: Analyzer, av: AV, term) -> Optional[str]:
+    """Why a product of four inputs is left alone where one of them is a decay D[.., i, j] of
+    the other three's attention: it is computed from inputs that change from call to call.
+    None where none of them is such a decay."""
+    atoms = _data_atoms(an, term[1])
+    for d in atoms:
+        try:
+            r = _roles(an, av, term, [f for f in atoms if f is not d])
+        except Reject:
+            continue
+        if {r.i, r.j} <= factor_vars(d) <= set(r.batch) | {r.i, r.j}:
+            inputs = sorted({_input_name(x) for x in _leaves(d.atom.node)})
+            return (f"the decay D[i, j] is computed from the input(s) {', '.join(inputs)} (not constants or "
+                    "module buffers): its values change from call to call, so its form cannot be proven")
+    return None
+
+
+def _input_name(node: fx.Node) -> str:
+    """The user's name of a graph input (L['gamma'] -> gamma), else the node's."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
+        return name[3:-2]
+    return name if isinstance(name, str) else node.name
+
+
+def _leaves(node: fx.Node) -> list:
+    seen, frontier, found = set(), [node], []
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.append(n)
+        frontier += n.all_input_nodes
+    return found
+
+
+def _roles(an: Analyzer, av: AV, term, atoms: Optional[list] = None) -> Roles:
     """q, k, v and the axes: i (query time), j (key time, summed), kk (summed), vv (kept).
     K or V of size 1 has no variable (kk or vv is None): a size-1 contraction is a product."""
     coef, fs = term
-    atoms = [f for f in fs if f.kind == "atom"]
+    atoms = _data_atoms(an, fs) if atoms is None else atoms
     # time and value are single axes; batch entries may be roles merged (B * H for bmm)
     out = [v for v in av.out if type(v) is int]
     summed = mono_vars(term) - out_vars(av.out)
-    others = [f for f in fs if f.kind != "atom"]
+    others = [f for f in fs if f not in atoms]
     other_vars = set().union(*[factor_vars(f) for f in others]) if others else set()
 
     def holders(v):
@@ -228,30 +313,54 @@ def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
 # ---- the whole analysis ---------------------------------------------------------------------
 def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
     av = cand.av
-    r = _roles(av, cand.par)
+    if len(_data_atoms(an, cand.par[1])) == 4:  # (a candidate only where one is such a decay)
+        raise Reject(_input_decay_reason(an, av, cand.par))
+    r = _roles(an, av, cand.par)
     coef, fs = cand.par
     # one batch axis is read as the heads (B = 1): a constant gate per head then fits it
     letter = {x: "bh"[n + 2 - len(r.batch)] for n, x in enumerate(r.batch)}
     letter.update({x: c for x, c in ((r.kk, "k"), (r.vv, "v")) if x is not None})  # (none for size 1)
-    masks, exps, scalars = [], [], []
-    for f in fs:
-        if f.kind == "atom":
-            continue
-        if f.kind == "scalar":
-            scalars.append(f)
-            continue
-        if not factor_vars(f) <= set(r.batch) | {r.i, r.j, r.kk}:
-            raise Reject("the decay is indexed by the value axis")
-        (exps if f.kind == "exp" else masks).append(f)
-    reverse = _direction(an, masks, r)
+    data = [r.q, r.k, r.v]
+    scalars = [f for f in fs if f.kind == "scalar"]
+    decay = [f for f in fs if f.kind != "scalar" and not any(f is x for x in data)]
+    if any(not factor_vars(f) <= set(r.batch) | {r.i, r.j, r.kk} for f in decay):
+        raise Reject("the decay is indexed by the value axis")
     T = int(size_hint(an.sizes[r.i]))
-    gate = read_gate(an, exps, r.i, r.j, r.batch, letter, reverse, T)
-    keys = {r.q.atom.node, r.k.atom.node} | set(gate.reads)
+    gate, reverse = _read_decay(an, decay, r, letter, T)
+    # (a decay from positions and buffers is shared by stacked layers: the next layer's v is
+    # computed from this one's output, which is no correction of v by the decay)
+    keys = {r.q.atom.node, r.k.atom.node} | (set(gate.reads) if gate.emit is None else set())
     if depends_on(an, r.v.atom.node, keys):
         raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
+    if cand.h0 is not None and gate.emit is not None:
+        raise Reject("an initial-state term beside a decay evaluated from positions and buffers is not read yet")
     h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
     final = _final_state(an, node, r, letter, gate, reverse, T, h0)
     return _build(an, node, av, r, letter, gate, coef, scalars, h0, final, reverse)
+
+
+def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tuple:
+    """(gate, reverse) of the decay factors: read term by term as cumulative log gates, or,
+    where that fails and the decay depends on positions and module state only, evaluated."""
+    if not any(static_decay.is_static_atom(an, f) for f in decay):
+        try:
+            masks = [f for f in decay if f.kind != "exp"]
+            reverse = _direction(an, masks, r)
+            exps = [f for f in decay if f.kind == "exp"]
+            return read_gate(an, exps, r.i, r.j, r.batch, letter, reverse, T), reverse
+        except Reject:
+            if not static_decay.all_static(an, decay):
+                raise
+    if not static_decay.all_static(an, decay):
+        raise Reject("the decay mixes a gate input with a mask computed from module state")
+    st = static_decay.read(an, decay, r.i, r.j, r.batch, letter)
+    if st.kind == "none":
+        return Gate("none", [], reads=st.reads), st.reverse
+
+    def emit(em):
+        return static_decay.emit_log_gate(em, an, decay, r.i, r.j, letter, st.reverse)
+
+    return Gate("constant", [], reads=st.reads, emit=emit), st.reverse
 
 
 def _direction(an: Analyzer, masks: list, r: Roles) -> bool:
@@ -557,7 +666,7 @@ def _emit_gate(em: Emitter, gate: Gate):
     if gate.kind == "none":
         return None, None
     letters = {"vector": "bthk", "scalar": "bth", "constant": "h"}[gate.kind]
-    total = None
+    total = gate.emit(em) if gate.emit is not None else None
     for c, lf in gate.terms:
         node = em.lift(Group(c, (lf,)), letters, full=False)
         total = node if total is None else em.call(torch.add, total, node)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -60,6 +60,9 @@ class Gate:
     terms: list  # (coef, LFactor) whose weighted sum is g (or g_gamma)
     weights: dict = field(default_factory=dict)  # source -> c (data gates); gamma key -> c * lambda
     reads: list = field(default_factory=list)  # the nodes the exponent reads (to check for writes)
+    # emit(emitter) -> the log gate, for a gate read from the user's decay in the graph
+    # (static_decay.py) rather than from its terms
+    emit: Optional[Callable] = None
 
 
 def _exponent(an: Analyzer, factors: list, times: dict, letter: dict, T: int) -> Exponent:
