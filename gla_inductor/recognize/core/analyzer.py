@@ -244,6 +244,8 @@ class Analyzer:
                 val = example_value(x)
                 if not isinstance(val, (int, float, torch.SymInt, torch.SymFloat)) or isinstance(val, bool):
                     raise Opaque
+                if _concrete(val):  # a size Dynamo specialized: the same number in every step
+                    return None, float(val)
                 # A number computed in the graph (K ** -0.5 under dynamic shapes).
                 av = AV((), ((1.0, (Factor("scalar", node=x),)),), None, self.new_origin())
             return x, av
@@ -367,3 +369,13 @@ class Analyzer:
             count = sum(self.consumers(u) if op_name(u) in VIEW_OPS else 1 for u in node.users)
             self._consumers[node] = count
         return count
+
+
+def _concrete(val) -> bool:
+    """A number, or a symbolic one whose expression is a constant (K ** -0.5 where Dynamo
+    specialized K: each step computes its own node of the same value)."""
+    if isinstance(val, (int, float)):
+        return True
+    from torch.fx.experimental.symbolic_shapes import is_concrete_float, is_concrete_int
+
+    return is_concrete_int(val) if isinstance(val, torch.SymInt) else is_concrete_float(val)

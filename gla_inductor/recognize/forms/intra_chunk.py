@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..core.algebra import AV, Factor, comps, factor_vars, mono_vars, out_vars
 from ..core.analyzer import Analyzer
@@ -54,13 +55,19 @@ def may_hold_chunks(graph: fx.Graph) -> bool:
     for n in graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             val = example_value(n)
-            if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == val.shape[-2] >= 2:
+            if isinstance(val, torch.Tensor) and val.dim() >= 2 and _square(val.shape[-2], val.shape[-1]):
                 return True
         elif n.op in ("call_function", "call_method"):
             name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
             if name in _POSITION_OPS:
                 return True
     return False
+
+
+def _square(rows, cols) -> bool:
+    """rows == cols >= 2 where that holds for every value of symbolic sizes: no guard is added,
+    so a graph is not recompiled when some other size happens to equal the time axis."""
+    return statically_known_true(rows == cols) and statically_known_true(cols >= 2)
 
 
 def seeds(an: Analyzer) -> dict:

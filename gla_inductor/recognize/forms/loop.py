@@ -457,8 +457,10 @@ def _build_match(an, chain, reads, asm, last, reverse) -> Match:
 
     def apply(txn) -> None:
         em = Emitter(txn, plan.anchor, sizes, letters.splits)
-        call = _emit_inputs(em, last, decay, gate_kind, gate_letters).replace(scale=scale, reverse=reverse)
         wb = plan.fused_write_back()
+        # fused_recurrent takes its heads from q: grouped q/k only reach chunk_fwd
+        call = _emit_inputs(em, last, decay, gate_kind, gate_letters, grouped=wb is None)
+        call = call.replace(scale=scale, reverse=reverse)
         if wb is not None:
             o = placement.emit_fused(em, call, wb, last["state_groups"])
             placement.rewire(txn, asm, em.cast_like(em.relayout(o, "bthv", out_groups), asm.result), None, None)
@@ -543,10 +545,12 @@ def _shape(sizes: dict, letters: Letters, c: str):
     return axis_size(*s) if isinstance(s, tuple) else s
 
 
-def _emit_inputs(em: Emitter, last, decay, gate_kind, gate_letters) -> GLACall:
-    """The op's q, k, v and gate, lifted to the whole sequence."""
-    q = em.lift(last["q"][1], "bthk")
-    k = _lift_or_ones(em, last["k"][1], "bthk", q)
+def _emit_inputs(em: Emitter, last, decay, gate_kind, gate_letters, grouped: bool = True) -> GLACall:
+    """The op's q, k, v and gate, lifted to the whole sequence; q and k with their own heads
+    where they are grouped and `grouped` allows."""
+    grouped = _grouped_letters(em, last["q"][1], last["k"][1]) if grouped else "bthk"
+    q = em.lift(last["q"][1], grouped)
+    k = _lift_or_ones(em, last["k"][1], grouped, q)
     v = _lift_or_ones(em, last["v"][1], "bthv", q)
     g, g_gamma = None, None
     if gate_kind != "none":
@@ -556,6 +560,22 @@ def _emit_inputs(em: Emitter, last, decay, gate_kind, gate_letters) -> GLACall:
         else:
             g = gate
     return GLACall(q, k, v, g, g_gamma)
+
+
+def _grouped_letters(em: Emitter, q: Group, k: Group) -> str:
+    """q and k's letters for the op: "bt" + the outer part of a split head axis + "k" where
+    both vary only over that part (the user repeated them over the heads by
+    repeat_interleave or expand + reshape: head h reads h // r, which the op reads shared, so
+    the repeat is not materialized); "bthk" otherwise (also for `repeat`, whose head h reads
+    h % G: the inner part)."""
+    subs = em.splits.get("h", "")
+    if len(subs) < 2:
+        return "bthk"
+    for group in (q, k):
+        tensors = [f for f in group.factors if isinstance(example_value(f.node), torch.Tensor)]
+        if not tensors or {c for f in tensors for c in f.letters} & set(subs) != {subs[0]}:
+            return "bthk"
+    return "bt" + subs[0] + "k"
 
 
 def _lift_or_ones(em: Emitter, group: Group, out: str, like: fx.Node) -> fx.Node:

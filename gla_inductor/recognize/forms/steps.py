@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from ..core.algebra import AV, Factor, Mono, comps, factor_vars, make_entry, mono_vars, out_vars, rank_of
@@ -247,8 +248,14 @@ def _samples_parse(an: Analyzer, p: periodic.Proof, found: dict) -> bool:
 
 
 def _axes(an: Analyzer, av: AV) -> tuple:
-    """The sizes of the variables of each axis of a value (an axis may merge several)."""
-    return tuple(tuple(an.sizes[v] for v in comps(e)) for e in av.out)
+    """The sizes of the variables of each axis of a value (an axis may merge several), as
+    hashable keys: a symbolic size (`dynamic=True`) by its expression, which SymInt does not
+    hash."""
+    return tuple(tuple(_size_key(an.sizes[v]) for v in comps(e)) for e in av.out)
+
+
+def _size_key(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def chains_of(steps: dict) -> list[list[Step]]:
