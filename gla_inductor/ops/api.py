@@ -198,6 +198,9 @@ def _working_state(call: GLACall, v_first: bool) -> tuple[Tensor, GLACall]:
     With state indices the gathered slots run as a pool of B slots, entry b in slot b: padded
     entries keep zero states and get zero outputs."""
     q, v, h0, indices = call.q, call.v, call.initial_state, call.state_indices
+    if h0 is not None and indices is None:
+        # a copy of the caller's state keeps its layout, and its placements where it is a DTensor
+        return h0.to(call.state_dtype, copy=True), call
     B, _, H, K = q.shape
     V = v.shape[-1]
     state = _kv(q.new_empty((B, H, V, K) if v_first else (B, H, K, V), dtype=call.state_dtype), v_first)
@@ -205,9 +208,7 @@ def _working_state(call: GLACall, v_first: bool) -> tuple[Tensor, GLACall]:
         state.copy_(gather_slots(h0, indices, call.state_dtype))
         valid, _ = slot_validity(indices, h0.shape[0])
         return state, call.replace(state_indices=torch.where(valid, torch.arange(B, device=q.device), -1))
-    if h0 is None:
-        return state.zero_(), call
-    return state.copy_(h0), call
+    return state.zero_(), call
 
 
 def _validate_state_args(q: Tensor, v: Tensor, state: Optional[Tensor], indices: Optional[Tensor], inplace: bool,

@@ -24,6 +24,8 @@ _FUNCTIONS = {
     torch.select: "select", torch.narrow: "narrow", torch.unbind: "unbind",
     torch.clone: "identity", torch.broadcast_to: "expand", torch.flatten: "reshape",
     torch.unflatten: "reshape", torch.repeat_interleave: "repeat_interleave", getattr: "getattr",
+    # x.mT, x.mH, x.T as Dynamo traces them since torch 2.15 (before: getattr(x, "mT"))
+    torch.ops.aten.mT: "mT", torch.ops.aten.mH: "mH", torch.ops.aten.numpy_T: "numpy_T",
 }
 _METHODS = {
     "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "div": "div", "__truediv__": "div",
@@ -44,7 +46,7 @@ _METHODS = {
 # Ops whose value is their operand's, re-indexed: their abstract value keeps the operand's root.
 VIEW_OPS = {
     "identity", "unsqueeze", "squeeze", "permute", "transpose", "t", "reshape", "expand",
-    "getitem", "select", "narrow", "repeat_interleave", "repeat", "getattr",
+    "getitem", "select", "narrow", "repeat_interleave", "repeat", "getattr", "mT", "mH", "numpy_T",
 }
 
 

@@ -285,6 +285,16 @@ def _op_getattr(an, node, a, attr, *default):
     return None
 
 
+def _op_matrix_transpose(an, node, a):
+    """aten.mT / aten.mH: as the attribute (``_op_getattr``)."""
+    return _op_getattr(an, node, a, "mT" if op_name(node) == "mT" else "mH")
+
+
+def _op_numpy_t(an, node, a):
+    """aten.numpy_T: x.T, all axes reversed."""
+    return _op_getattr(an, node, a, "T")
+
+
 def _op_t(an, node, a, **kw):
     _, va = an.operand(a)
     return _relabel(va, tuple(reversed(va.out))) if len(va.out) <= 2 else None
@@ -557,7 +567,8 @@ RULES = {
     "exp": _op_exp, "exp2": _op_exp2, "pow": _op_pow,
     "sum": _op_sum, "matmul": _op_matmul, "bmm": _op_matmul, "mm": _op_matmul, "einsum": _op_einsum,
     "identity": _op_identity, "unsqueeze": _op_unsqueeze, "squeeze": _op_squeeze, "permute": _op_permute,
-    "transpose": _op_transpose, "getattr": _op_getattr, "t": _op_t, "reshape": _op_reshape,
+    "transpose": _op_transpose, "getattr": _op_getattr, "mT": _op_matrix_transpose, "mH": _op_matrix_transpose,
+    "numpy_T": _op_numpy_t, "t": _op_t, "reshape": _op_reshape,
     "repeat_interleave": _op_repeat_interleave, "repeat": _op_repeat, "expand": _op_expand,
     "getitem": _op_getitem, "select": _op_select, "narrow": _op_narrow,
     "masked_fill": _op_masked_fill, "where": _op_where, "tril": _op_tril, "triu": _op_triu,
