@@ -12,6 +12,8 @@ import torch
 import gla_inductor
 from gla_inductor.cache_key import cache_key_pass
 
+pytestmark = pytest.mark.compat  # run again on the newest torch and triton (.ci/run)
+
 SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, {tests!r})
@@ -67,8 +69,6 @@ if not torch.cuda.is_available():  # Inductor's Triton on CPU tensors, under the
     torch._inductor.config.cpu_backend = "triton"
 import gla_inductor, gla_inductor.lowerings, gla_inductor.reference
 from torch._dynamo.utils import counters
-
-pytestmark = pytest.mark.compat  # run again on the newest torch and triton (.ci/run)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(1, 9, 2, 16, generator=gen).to(device) for _ in range(3))
