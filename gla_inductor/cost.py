@@ -12,11 +12,10 @@ each candidate, the larger of host and device time on either side (the two overl
 with ``pass`` a read and a write of the [B, H, K, V] fp32 state at the device's copy bandwidth.
 On CUDA our recurrent kernel makes one pass for all T steps (96% of copy bandwidth under CUDA
 graphs), Inductor's code one pass per step (87-90%); on CPU our decode op is a PyTorch time loop
-of three passes per step. The constants come from ``python -m benchmarks decode`` (H200: the op
-called eagerly took 0.19 / 0.22 / 0.27 ms at B = 64 / 128 / 256, H = 32, K = V = 128, against
-0.08 / 0.15 / 0.29 ms for the compiled naive step; benchmarks/results/README.md lists the file)
-and lean to our side's pessimistic end: a candidate is rewritten only where the model says it
-wins. Candidates with gradients, and every form but short steps, are rewritten: there the op's
+of three passes per step. The constants come from ``python -m benchmarks decode`` (the latest
+result: benchmarks/results/README.md; called eagerly, the op lost to the compiled naive step at
+B·H up to 4096 and won above) and lean to our side's pessimistic end: a candidate is rewritten
+only where the model says it wins. Candidates with gradients, and every form but short steps, are rewritten: there the op's
 chunked kernels and their backward win at every measured shape.
 """
 

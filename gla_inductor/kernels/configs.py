@@ -74,27 +74,20 @@ class ChunkConfig:
     # how fp32 operands multiply ("ieee", "tf32", "tf32x3"); None: "tf32x3" for fp32 inputs under
     # torch's "highest" matmul precision, else "tf32" (fp16 inputs use fp32 operands: fp16's range
     # cannot hold the kernels' gated factors, and TF32 keeps fp16's 10-bit mantissa). "tf32x3"
-    # (three TF32 products of a split operand) stands for exact products: at Mamba2's scan shapes
-    # (4, 4096, 64, 128, 64) it gave 1.3e-6 max relative error against float64 where "ieee" gave
-    # 1.0e-6, in 4.3 ms against 39.8 (Triton's "ieee" dots are FMA loops that spill; H100)
+    # (three TF32 products of a split operand) stands for exact products: at Mamba2's scan shapes it
+    # came within a few 1e-7 of "ieee"'s error against float64 in a tenth of its time (Triton's
+    # "ieee" dots are FMA loops that spill; results/h100-2026-11-22-mixer-profile.txt)
     f32_precision: Optional[str] = None
 
 
 def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig) -> TileConfig:
-    """The forward scan's tile, from sweeps on an H100 over the benchmark shapes
-    (benchmarks/results/archive/h100-2026-11-22-schedule.md): vector gates run fastest with wide value
-    tiles and 8 warps (BV = 128: 0.60 against 0.76 ms at (8, 2048, 16, 128, 128), 1.39 against
-    2.77 ms at (8, 2048, 4, 256, 512); fewer programs than SMs, but each chunk's intra-chunk work
-    is done once per 128 values instead of 64), other gates with 4 warps and BV = 64 up to K = 128
-    (0.35 against 0.49 ms at (8, 2048, 16, 128, 128)), narrowed to 32 as ``fallback``'s are where
-    tiles of 64 leave SMs idle (0.267 -> 0.177 ms at (2, 4096, 16, 128, 128), 0.550 -> 0.330 at
-    (1, 8192, 16, 128, 128), 0.351 -> 0.302 at (1, 8192, 96, 64, 64);
-    benchmarks/results/h100-2026-11-23-forward-tiles.md). At K = 256 the two sweeps of the scalar
-    gate disagreed (4 warps 1.41 ms with a bf16 gate, 2.47 ms with an fp32 one): ``fallback``,
-    whose stage count the others take too. So do vector gates past K = 128 (where the local
-    schedule is the default): a forced fused scan at K = 256, BV = 128 asked the H100 for 240 KB of
-    shared memory in a bf16 test (V = 200, initial and final state); compiled offline for sm_90,
-    value tiles of 32 take 172 KB."""
+    """The forward scan's tile. Vector gates up to K = 128: wide value tiles (128) and 8 warps,
+    fewer programs than SMs but each chunk's intra-chunk work done once per 128 values instead of
+    64. Other gates up to K = 128: 4 warps and ``fallback``'s value tile, which narrows where tiles
+    of 64 would leave SMs idle. Past K = 128 (where vector gates take the local schedule) the
+    ``fallback``, whose stage count the others take too: there a fused scan with wide tiles asks
+    for more shared memory than sm_90 has. Sweeps: results/archive/h100-2026-11-22-schedule.md,
+    results/h100-2026-11-23-forward-tiles.md."""
     if vector_gate and BK <= 128:
         return TileConfig(block_v=min(BV, 128), num_warps=4 if BK <= 32 else 8, num_stages=fallback.num_stages)
     if BK <= 128:
@@ -103,13 +96,11 @@ def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig)
 
 
 def dqkg_tile(BK: int, BV: int, vector_gate: bool, warps: int, stages: int, sixteen_bit: bool) -> TileConfig:
-    """gla_chunk_bwd_dqkg's tile. Vector gates from K = 128: key tiles of 32 with 4 warps, from
-    sweeps on an H100 (`python -m benchmarks tune dqkg`): at (8, 2048, 16, 128, 128) 0.769 against
-    0.845 ms for 64 keys and 8 warps (0.881 against 0.981 with the fused logsigmoid gate; 8 warps on
-    [64, 64] tiles ran at 255 registers with spills, one program per SM); at (8, 2048, 4, 256, 512)
-    0.666 against 0.707. There, with 16-bit inputs, value tiles of 128 take 0.627 (80 KB of shared
-    memory for sm_90; fp32 operands would take twice that, so they keep 64). Scalar and constant
-    gates take all of K (their dg sums over keys)."""
+    """gla_chunk_bwd_dqkg's tile. Vector gates from K = 128: key tiles of 32 with 4 warps (8 warps on
+    [64, 64] tiles spill at 255 registers, one program per SM), and with 16-bit inputs past V = 128
+    value tiles of 128 (fp32 operands would need twice the shared memory, so they keep 64). Scalar
+    and constant gates take all of K: their dg sums over keys. Sweep: `python -m benchmarks tune
+    dqkg`, results/h100-2026-11-22-k256-dqkg.md."""
     if not vector_gate:
         return TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages, block_k=BK)
     if BK >= 128:
@@ -119,33 +110,27 @@ def dqkg_tile(BK: int, BV: int, vector_gate: bool, warps: int, stages: int, sixt
 
 
 def local_schedule(BK: int, vector_gate: bool) -> bool:
-    """Whether the local schedule (gla_chunk_local, then gla_chunk_carry) beats the fused scan, from
-    an H100 sweep (benchmarks/results/archive/h100-2026-11-22-local.md): for vector gates from K = 128 on
-    (0.367 against 0.435 ms at (8, 2048, 16, 128, 128), 0.48 against 1.04 ms at K = 256, V = 512),
-    for the others at K = 256 only (0.39 against 1.36 ms; at K = 128 the fused scan's 0.197 ms beat
-    0.243, and 0.185 beat 0.238 after the carries' segments and transposed state). Vector gates at
-    K = 64 too since the carries' segments: at (8, 1024, 8, 64, 64), forward 0.058 against the fused
-    scan's 0.095-0.105 ms, backward 0.183 against 0.247 (CUDA graphs,
-    benchmarks/results/h100-2026-11-23-carry-t.md).
-    Smaller keys keep the fused scan (not measured)."""
+    """Whether the local schedule (gla_chunk_local, then gla_chunk_carry) beats the fused scan: for
+    vector gates from K = 64 (from K = 128 at first, K = 64 too once the carries walked in
+    segments), for the other gates at K = 256 only (at K = 128 the fused scan stayed ahead).
+    Smaller keys keep the fused scan (not measured). Sweeps: results/archive/h100-2026-11-22-local.md,
+    results/h100-2026-11-23-carry-t.md."""
     return BK >= 64 if vector_gate else BK > 128
 
 
 def local_key_slice(BK: int) -> int:
-    """Keys gla_chunk_local handles at once. Whole keys up to K = 128 (slices of 64 there cost
-    0.37 -> 0.48 ms forward at (8, 2048, 16, 128, 128)); slices of 64 at K = 256, where whole-K
-    [64, 256] tiles spill (sm_90, 8 warps) and the slices let the chunks be 64 steps long."""
+    """Keys gla_chunk_local handles at once: whole keys up to K = 128 (slices there were slower);
+    slices of 64 at K = 256, where whole-K [64, 256] tiles spill (sm_90, 8 warps) and the slices
+    let the chunks be 64 steps long."""
     return BK if BK <= 128 else 64
 
 
 def local_steep_slice(BKS: int) -> int:
     """Keys gla_chunk_local's exact pairwise path (steep chunks of vector gates) handles at once,
     reloading them from memory. The slice sets the registers of the whole kernel (sm_90, 8 warps,
-    bf16, K = 128, triton 3.6): whole slices of 128 keys took 255 per thread, 16 keys 134, 8 keys
-    125, at which two programs share an SM. H100, CUDA-graph times
-    (benchmarks/results/h100-2026-11-23-segments.md): forward 0.365 -> 0.298 ms from 16 to 8 keys at
-    (8, 2048, 16, 128, 128), 0.829 -> 0.698 at (2, 16384, 16, 128, 128); backward 1.310 -> 1.260
-    and 2.816 -> 2.720. At K = 256 (slices of 64) the kernel keeps 172 registers."""
+    bf16, K = 128, triton 3.6: 255 per thread for slices of 128 keys, 125 for 8), and at 8 keys two
+    programs share an SM, which made the forward and backward faster at every measured shape
+    (results/h100-2026-11-23-segments.md). At K = 256 (slices of 64) the kernel keeps 172."""
     return min(BKS, 8)
 
 
@@ -154,8 +139,7 @@ def local_preload(BK: int, BKS: int) -> bool:
     loads overlap the sums, or only on the common path after them, which keeps them out of the
     registers meanwhile. With one slice (K <= 128) the registers matter: 125 per thread without,
     162 with (sm_90, 8 warps, triton 3.6), one program per SM instead of two. With several, the
-    kernel has more than 128 either way and the overlap wins: H100, (8, 2048, 4, 256, 512), forward
-    0.372 -> 0.359 ms (CUDA graph; benchmarks/results/h100-2026-11-23-segments.md)."""
+    kernel has more than 128 either way and the overlap wins (results/h100-2026-11-23-segments.md)."""
     return BKS < BK
 
 
@@ -194,13 +178,9 @@ def local_terms(options: dict, B, T, H, K, NT, block_t: int) -> dict:
 def carry_segments(B: int, H: int, V: int, NT: int, sms: int) -> int:
     """Segments of the carries' walks (gla_chunk_carry's SEGMENTS): where the carries' programs
     (value tiles of 64) would fill at most half the SMs, the walk is cut in up to 8 segments of at
-    least 4 chunks, for up to 4 programs per SM. H100, vector gate, bf16, CUDA-graph times
-    (benchmarks/results/h100-2026-11-23-segments.md): at (2, 16384, 16, 128, 128), 64 programs,
-    forward 1.104 ms without segments (1.015 with value tiles of 32), 0.829 with 4, 0.815 with 8;
-    backward 3.080 (2.960), 2.828, 2.798. At (1, 2048, 8, 128, 128), 16 programs, 32 chunks:
-    forward 0.075, 0.044, 0.040 ms. Where the programs fill more than half the SMs, the segments'
-    extra pass over ks and v (and each program's fold of the segments before it) costs more than
-    it saves: at (1, 8192, 96, 128, 128), 192 programs, 1.128 ms without, 1.274 with 2."""
+    least 4 chunks, for up to 4 programs per SM. Where the programs fill more than half the SMs,
+    the segments' extra pass over ks and v (and each program's fold of the segments before it)
+    costs more than it saves. Measured: results/h100-2026-11-23-segments.md."""
     programs = B * H * math.ceil(V / 64)
     segments = 1
     if 2 * programs <= sms:
@@ -242,17 +222,14 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
             block_v //= 2
         segments = 1 if varlen else carry_segments(B, H, V, math.ceil(T / block_t), sms)
         # the carries walk all chunks one after another: with programs for at most half the SMs and
-        # too few chunks for segments, halve their value tiles (H100, vector gate, forward: 1.020
-        # against 1.106 ms at (2, 16384, 16, 128, 128), 64 programs, before segments; 1.333 against
-        # 1.127 at (1, 8192, 96, 128, 128), 192)
+        # too few chunks for segments, halve their value tiles (results/h100-2026-11-23-segments.md)
         if segments == 1 and 2 * B * H * math.ceil(V / carry_v) <= sms:
             carry_v = 32
-    # The carries' tiles: value tiles of 64 with 4 warps for 16-bit inputs (8 warps lost at
-    # (8, 2048, 4, 256, 512), vector gate, H100: the three carries of fwd+bwd 744 against 677 us);
+    # The carries' tiles: value tiles of 64 with 4 warps for 16-bit inputs (8 warps were slower);
     # fp32 at K = 256 keeps 8 (untimed; twice the operand bytes). At K > 128, tiles of 128 with 8
-    # warps (a warp group per 64 values) read the chunks' qs and ks half as often: forward 0.375 ->
-    # 0.311 ms, backward 1.350 -> 1.279 there; at K = 128 they lose (main shape 0.302 against 0.312;
-    # benchmarks/results/h100-2026-11-23-carry-t.md). Shapes with few programs keep their tiles.
+    # warps (a warp group per 64 values) read the chunks' qs and ks half as often, which won there
+    # and lost at K = 128 (benchmarks/results/h100-2026-11-23-carry-t.md). Shapes with few programs
+    # keep their tiles.
     carry_warps = 4 if BK <= 128 or dtype != torch.float32 else 8
     if BK > 128 and dtype != torch.float32 and segments == 1 and carry_v == 64 and V > 64:
         carry_v, carry_warps = 128, 8

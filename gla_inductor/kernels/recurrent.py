@@ -46,9 +46,9 @@ def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.devic
     """Value tile and warps for a bandwidth-bound pass over the state.
 
     A program's [BK, BV] fp32 state tile has about 8192 elements, 64 per thread over 4 warps, with
-    rows of at least 32 floats (128 contiguous bytes of a contiguous state). Tuned on an H100 at
-    K = V = 128, T = 1 (benchmarks/results/h100-2026-11-22-decode.md): BV = 64 with 4 warps reached
-    94-98% of copy bandwidth at B * H from 2048 to 8192, against 89-92% for BV = 32. The tile
+    rows of at least 32 floats (128 contiguous bytes of a contiguous state). BV = 64 with 4 warps
+    came closest to copy bandwidth in the decode benchmark's tile sweep at K = V = 128, T = 1
+    (benchmarks/results/h100-2026-11-22-decode.md). The tile
     narrows while B * H * cdiv(V, BV) programs leave fewer than ~4 per SM (a program loads its whole
     tile, then computes, then stores: bandwidth needs other programs' loads in flight meanwhile).
     """

@@ -163,8 +163,7 @@ class StandaloneKernel:
     source: str
     # compiled kernels by (warps, stages, current device, specialization_key): a launch whose key was seen
     # runs its compiled kernel directly, without JITFunction.run's binding, specialization and cache
-    # lookup: about 30 us of host time less per launch on the H100 machine's host, where an eager
-    # forward's GPU work can be 60 us (benchmarks/results/h100-2026-11-23-launch.md)
+    # lookup: host time a short eager forward notices (benchmarks/results/h100-2026-11-23-launch.md)
     compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, grid, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, *, num_warps: int,
