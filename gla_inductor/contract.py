@@ -25,9 +25,9 @@ from torch import Tensor
 from .gates import GateFn, log_gate
 
 __all__ = [
-    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "CHUNK_STATES_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning", "RECURRENT_ARGS", "compute_dtype",
-    "gate_kind",
-    "group_size", "output_dtype", "repeat_groups", "sum_groups", "validate_gate", "validate_inputs", "validate_varlen",
+    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "CHUNK_STATES_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning",
+    "RECURRENT_ARGS", "check_shape", "check_tensor", "compute_dtype", "gate_kind", "group_size", "output_dtype",
+    "repeat_groups", "sum_groups", "validate_gate", "validate_inputs", "validate_varlen",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -285,14 +285,14 @@ def _shape_str(dims) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
-def _check_tensor(api: str, name: str, x) -> None:
+def check_tensor(api: str, name: str, x) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{api}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{api}: {name} has dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
 
 
-def _check_shape(api: str, name: str, x: Tensor, q: Tensor, layout: str, expected: tuple) -> None:
+def check_shape(api: str, name: str, x: Tensor, q: Tensor, layout: str, expected: tuple) -> None:
     """Raise unless x has the ``expected`` shape; None entries of ``expected`` are free."""
     if x.dim() == len(expected) and all(e is None or d == e for d, e in zip(x.shape, expected)):
         return
@@ -312,7 +312,7 @@ def _check_groups(api: str, q: Tensor, k: Tensor, v: Tensor) -> None:
             f"{api}: k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}; expected k to be "
             f"[B, T, G, K] = {_shape_str((B, T, G, K))}: q and k must have the same number of heads G "
             "(each shared by H / G heads of v)")
-    _check_shape(api, "k", k, q, "[B, T, H, K]", (B, T, G, K))
+    check_shape(api, "k", k, q, "[B, T, H, K]", (B, T, G, K))
     H = v.shape[2] if v.dim() == 4 else -1
     if v.dim() == 4 and v.shape[:2] == (B, T) and (H == G or G > 0 and H > 0 and H % G == 0):
         return
@@ -330,7 +330,7 @@ def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla
     named = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "initial_state": initial_state}
     for name, x in named.items():
         if x is not None or name in ("q", "k", "v"):
-            _check_tensor(api, name, x)
+            check_tensor(api, name, x)
     if q.dim() != 4:
         raise ValueError(f"{api}: q has shape {tuple(q.shape)}; expected q to be 4-D [B, T, H, K]")
     B, T, H, K = q.shape
@@ -338,14 +338,14 @@ def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla
         _check_groups(api, q, k, v)
         H = v.shape[2]
     else:
-        _check_shape(api, "k", k, q, "[B, T, H, K]", (B, T, H, K))
-        _check_shape(api, "v", v, q, "[B, T, H, V]", (B, T, H, None))
+        check_shape(api, "k", k, q, "[B, T, H, K]", (B, T, H, K))
+        check_shape(api, "v", v, q, "[B, T, H, V]", (B, T, H, None))
     if g is not None and g_gamma is not None:
         raise ValueError(f"{api}: got both g and g_gamma; pass at most one gate")
     if g is not None and g.dim() == 3:
-        _check_shape(api, "g", g, q, "[B, T, H]", (B, T, H))
+        check_shape(api, "g", g, q, "[B, T, H]", (B, T, H))
     elif g is not None and g.dim() == 4:
-        _check_shape(api, "g", g, q, "[B, T, H, K]", (B, T, H, K))
+        check_shape(api, "g", g, q, "[B, T, H, K]", (B, T, H, K))
     elif g is not None:
         raise ValueError(
             f"{api}: g has shape {tuple(g.shape)} but q has shape {tuple(q.shape)}; expected g to be "
@@ -353,11 +353,11 @@ def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla
             "(scalar gate)"
         )
     if g_gamma is not None:
-        _check_shape(api, "g_gamma", g_gamma, q, "[H]", (H,))
+        check_shape(api, "g_gamma", g_gamma, q, "[H]", (H,))
     if initial_state is not None and cu_seqlens is None:
-        _check_shape(api, "initial_state", initial_state, q, "[B, H, K, V]", (B, H, K, v.shape[-1]))
+        check_shape(api, "initial_state", initial_state, q, "[B, H, K, V]", (B, H, K, v.shape[-1]))
     elif initial_state is not None:
-        _check_shape(api, "initial_state", initial_state, q, "[N, H, K, V]",
+        check_shape(api, "initial_state", initial_state, q, "[N, H, K, V]",
                      (cu_seqlens.shape[0] - 1, H, K, v.shape[-1]))
     for name, x in named.items():
         if x is not None and x.device != q.device:
@@ -383,7 +383,7 @@ def validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias,
         for name, x, want, want_layout in (("gate_a", gate_a, (H,), "[H]"), ("gate_bias", gate_bias, heads, layout)):
             if x is None:
                 raise ValueError(f"{api}: gate_fn='softplus' needs {name} {want_layout} = {_shape_str(want)}")
-            _check_tensor(api, name, x)
+            check_tensor(api, name, x)
             if tuple(x.shape) != want:
                 raise ValueError(f"{api}: {name} has shape {tuple(x.shape)}; expected {want_layout} = "
                                  f"{_shape_str(want)} for g of shape {tuple(g.shape)}")

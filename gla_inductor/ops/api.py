@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..contract import (GLACall, LayoutWarning, _check_shape, _check_tensor, validate_gate, validate_inputs,
+from ..contract import (GLACall, LayoutWarning, check_shape, check_tensor, validate_gate, validate_inputs,
                         validate_varlen)
 from ..gates import GateFn
 from ..impl.recurrent import gather_slots, slot_validity
@@ -222,19 +222,19 @@ def _validate_state_args(q: Tensor, v: Tensor, state: Optional[Tensor], indices:
             raise ValueError(f"{api}: {what} needs initial_state (the state {'pool ' if indices is not None else ''}"
                              "to read and write)")
         return
-    _check_tensor(api, "initial_state", state)
+    check_tensor(api, "initial_state", state)
     if state.device != q.device:
         raise ValueError(f"{api}: initial_state is on {state.device} but q is on {q.device}; all tensors must "
                          "share one device")
     n, letter = (None, "P") if indices is not None else (B, "B")
     layout, dims = ((f"[{letter}, H, V, K]", (n, H, V, K)) if v_first else (f"[{letter}, H, K, V]", (n, H, K, V)))
-    _check_shape(api, "initial_state", state, q, layout, dims)
+    check_shape(api, "initial_state", state, q, layout, dims)
     if indices is None:
         return
     if not isinstance(indices, Tensor) or indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{api}: ssm_state_indices must be an int32 or int64 tensor, got "
                         f"{getattr(indices, 'dtype', type(indices).__name__)}")
-    _check_shape(api, "ssm_state_indices", indices, q, "[B]", (B,))
+    check_shape(api, "ssm_state_indices", indices, q, "[B]", (B,))
     if indices.device != q.device:
         raise ValueError(f"{api}: ssm_state_indices is on {indices.device} but q is on {q.device}; the slots are "
                          "read on the device (no host synchronization)")
