@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from gla_inductor.contract import GLACall
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -30,19 +31,19 @@ def inputs(B, T, H, K, V):
 
 @pytest.mark.parametrize("shape", [(8, 2048, 4, 256, 512), (4, 1024, 8, 128, 128)], ids=lambda s: "-".join(map(str, s)))
 def test_carry_tiles_repeat_and_agree(shape):
-    from gla_inductor import triton_chunk
+    from gla_inductor.kernels import chunk as kchunk, configs as kconfigs
 
     B, T, H, K, V = shape
     q, k, v, g, do = inputs(*shape)
-    base = triton_chunk.default_config(B, T, H, K, V, q.dtype, True, q.device)
+    base = kconfigs.default_config(B, T, H, K, V, q.dtype, True, q.device)
     first = None
     for bv, warps, stages in CONFIGS:
         cfg = dataclasses.replace(base, local=True, segments=1, carry=dataclasses.replace(
             base.carry, block_v=bv, num_warps=warps, num_stages=stages))
         runs = []
         for _ in range(3):
-            o = triton_chunk.chunk_fwd_triton(q, k, v, g, None, None, K**-0.5, False, False, config=cfg)[0]
-            grads = triton_chunk.chunk_bwd_triton(q, k, v, g, None, None, do, None, K**-0.5, False, config=cfg)[:4]
+            o = kchunk.forward(GLACall(q, k, v, g, None, None, K**-0.5, False, False), config=cfg)[0]
+            grads = kchunk.backward(GLACall(q, k, v, g, None, None, K**-0.5, reverse=False), do, None, config=cfg)[:4]
             runs.append([o, *grads])
         for run in runs[1:]:
             for name, a, b in zip(("o", "dq", "dk", "dv", "dg"), run, runs[0]):

@@ -6,6 +6,7 @@ elsewhere; a clean head stays finite; three runs give the same outputs (a race w
 import pytest
 import torch
 import torch.nn.functional as F
+from gla_inductor.contract import GLACall
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -39,14 +40,14 @@ def assert_like_loop(got, want, nan_only: bool, what: str) -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_nonfinite_values_propagate_as_in_the_loop(shape, gate):
     from gla_inductor.reference import naive_recurrent_gla
-    from gla_inductor.triton_chunk import chunk_fwd_triton
+    from gla_inductor.kernels import chunk as kchunk
 
     B, T, H, K, V = shape
     q, k, v, g = inputs(B, T, H, K, V, gate)
     poison = {(0, 1): (T * 2 // 5, 7, float("nan")), (B - 1, 0): (T * 3 // 4, V - 3, float("inf"))}
     for (b, h), (t, c, value) in poison.items():
         v[b, t, h, c] = value
-    runs = [chunk_fwd_triton(q, k, v, g, None, None, K**-0.5, True, False) for _ in range(3)]
+    runs = [kchunk.forward(GLACall(q, k, v, g, None, None, K**-0.5, True, False)) for _ in range(3)]
     for o, ht in runs[1:]:
         assert torch.equal(o.nan_to_num(), runs[0][0].nan_to_num()) and torch.equal(ht.nan_to_num(),
                                                                                      runs[0][1].nan_to_num())

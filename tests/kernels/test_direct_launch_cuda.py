@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 @pytest.mark.parametrize("gate", ["vector", "scalar"])
 def test_direct_launch_matches_launch_through_triton(monkeypatch, gate):
     import gla_inductor
-    from gla_inductor.templates import standalone
+    from gla_inductor.kernels import standalone
 
     B, T, H, K, V = 8, 1024, 8, 64, 64
     gen = torch.Generator(device="cuda").manual_seed(0)
