@@ -42,7 +42,7 @@ from torch import Tensor
 from ..contract import GLACall, sum_groups
 from ..impl import prefix_states
 from . import configs
-from .configs import (MAX_GRID_YZ, ChunkConfig, TileConfig, carry_options, dqkg_block_k,
+from .configs import (ChunkConfig, TileConfig, carry_options, dqkg_block_k,
                       faulting_tile, interpreting, kernel_options, local_options, local_terms, scan_options,
                       unsupported_reason)
 from .standalone import OUT, needs_int64, render

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..contract import CHUNK_BWD_ARGS, CHUNK_STATES_ARGS, GLACall
 from ..impl import prefix_states
-from ..gates import GateFn, gate_grads
+from ..gates import gate_grads
 from . import dispatch
 
 __all__ = ["chunk_bwd", "chunk_fwd", "chunk_fwd_states", "on_first_trace", "run_chunk_gla"]
