@@ -104,6 +104,30 @@ def _merge(x: Tensor, n: int) -> Tensor:
     return x.unflatten(0, (n, -1)).transpose(0, 1).flatten(1, 2)
 
 
+# Steps per block of the two-level time cumsum (``_time_cumsum``).
+_SCAN_BLOCK = 256
+
+
+def _time_cumsum(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.cumsum(1, dtype=dtype)`` in two levels: within blocks of ``_SCAN_BLOCK`` steps, then over
+    the blocks' totals. A scan over a dim that is not the innermost runs one thread per inner
+    element serially along all of T: with B * H * K threads and T in the ten thousands it is bound
+    by memory latency, slower than the whole chunk_gla step; blocks give T / _SCAN_BLOCK times the
+    parallelism. The carry is an exclusive sum of the totals (no difference of sums), so for log
+    gates every partial sum stays a sum of terms of one sign."""
+    T = x.shape[1]
+    if T <= 2 * _SCAN_BLOCK:
+        return x.cumsum(1, dtype=dtype)
+    n = -(-T // _SCAN_BLOCK)
+    xs = x.to(dtype)
+    if n * _SCAN_BLOCK != T:
+        xs = torch.cat([xs, xs.new_zeros(xs.shape[0], n * _SCAN_BLOCK - T, *xs.shape[2:])], 1)
+    within = xs.unflatten(1, (n, _SCAN_BLOCK)).cumsum(2)
+    totals = within[:, :-1, -1]
+    carry = torch.cat([torch.zeros_like(within[:, :1, -1]), totals], 1).cumsum(1)
+    return (within + carry.unsqueeze(2)).flatten(1, 2)[:, :T]
+
+
 def _decays(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, reverse: bool, dtype: torch.dtype
             ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """A segment's whole log decay D ([B, H, K] for a vector gate, [B or 1, H, 1] otherwise, to
@@ -113,7 +137,7 @@ def _decays(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, reverse: bool, dt
     if g is not None:
         lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
         D = lg.sum(1, dtype=dtype)
-        G = lg.flip(1).cumsum(1, dtype=dtype).flip(1) if reverse else lg.cumsum(1, dtype=dtype)
+        G = _time_cumsum(lg.flip(1), dtype).flip(1) if reverse else _time_cumsum(lg, dtype)
         return (D if g.dim() == 4 else D.unsqueeze(-1)), G.exp()
     if g_gamma is not None:
         gamma = g_gamma.to(dtype)
