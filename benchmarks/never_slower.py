@@ -5,12 +5,13 @@ Sections (--section, comma-separated; each finishes in minutes on one GPU, so ru
            fp32 state cache [B, H, K, V] updated in place by the naive step
            ``S = S * exp(g)[..., None] + k[..., None] * v[..., None, :]; o = (q[..., None] * S).sum(-2)
            * scale; cache.copy_(S)`` (CUDA)
-  short    T in {2, 4, 8, 16} steps from a cache at B = 16, the same step in a loop, the final state
-           copied back (CUDA)
+  short    T in {2, 4, 8, 16} steps from a cache at B = 16 (H, K, V as decode), the same step in a
+           loop, the final state copied back (CUDA)
   prefill  the naive parallel form at the kernel benchmark's standard shapes, vector gate
            ((q e^G)(k e^-G)^T, tril) and scalar gate (decay matrix), forward (CUDA)
   cpu      decode B=8 H=4 64x64, B=1 H=16 128x128, B=32 H=8 64x64; a 4-token step B=4 H=8 64x64;
-           the naive loop B=2 T=512 H=4 64x64 (eager against compiled), fp32 (CPU)
+           the naive loop B=2 T=512 H=4 64x64 (eager against compiled: default Inductor is left out,
+           it would unroll 512 steps), fp32 (CPU)
 Columns (benchmarks/never_slower_cases.py): naive eager, default Inductor, ours (the backend, cost
 rule on: what users get), forced (cost rule off), FLA's op where it has one, and for the steps on
 CUDA the three compiled ones under mode="reduce-overhead" with the cache marked static. On CUDA
@@ -21,7 +22,10 @@ Ratios: ``ours / best other`` without graphs (events) and with graphs (the best 
 replays and reduce-overhead of each side); below 1.0 ours wins. FLA's chunked ops autotune for
 minutes per shape: a child process warms them first under --fla-budget seconds per shape
 (benchmarks/fla_warm.py); past it the FLA column of that shape is left out with a note, and a
-rerun continues its autotuning from the on-disk cache.
+rerun continues its autotuning from the on-disk cache. --budget bounds the whole run: no case
+begins after it (the FLA warm-up gets at most what is left less a minute), so one section, or a
+few prefill shapes (--shapes), fit in a command of ten minutes. --quick: one small shape per
+section.
 """
 
 from __future__ import annotations
@@ -52,11 +56,13 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", help="prefill: indices into the standard shapes " + str(inputs.KERNEL_SHAPES)
                    + " (default: all)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--threads", type=int, help="torch's CPU threads (default: its own choice)")
     p.add_argument("--no-graphs", action="store_true", help="skip the hand-captured CUDA graph timings")
     p.add_argument("--fla-budget", type=float, default=150.0,
                    help="seconds FLA may autotune per prefill shape and op (in a child process)")
-    p.add_argument("--budget", type=float, default=420.0,
-                   help="seconds per section: cases not started by then are left out with a note")
+    p.add_argument("--budget", type=float, default=360.0,
+                   help="seconds for the whole run: cases not begun by then are left out with a note, and FLA's "
+                        "warm-up gets at most what is left less 60 s (a case begun may take a minute or two more)")
 
 
 def section_cases(section: str, args, device: str) -> list:
@@ -91,19 +97,21 @@ def warm_fla(case, fla, budget_s: float, notes: list) -> bool:
     return ok
 
 
-def run_section(section: str, args, fla, notes: list) -> list:
+def run_section(section: str, args, fla, notes: list, start: float) -> list:
+    """The section's cases, each begun only while the run's --budget (from ``start``) lasts."""
     device = "cpu" if section == "cpu" else "cuda"
-    rows, start = [], time.perf_counter()
+    rows = []
     todo = section_cases(section, args, device)
     for i, case in enumerate(todo):
         spent = time.perf_counter() - start
         if spent > args.budget:
-            notes.append(f"{section}: budget of {args.budget:.0f} s spent after {i} of {len(todo)} cases; left "
-                         "out: " + "; ".join(c.label() for c in todo[i:]))
+            notes.append(f"{section}: the run's budget of {args.budget:.0f} s was spent after {i} of {len(todo)} "
+                         "cases; left out: " + "; ".join(c.label() for c in todo[i:]))
             break
-        print(f"[never-slower] {section} {i + 1}/{len(todo)} {case.label()} ({spent:.0f} s into the section)",
+        print(f"[never-slower] {section} {i + 1}/{len(todo)} {case.label()} ({spent:.0f} s into the run)",
               file=sys.stderr, flush=True)
-        if not warm_fla(case, fla, args.fla_budget, notes):
+        # FLA's warm-up gets what the run has left, less a minute for the case's own work
+        if not warm_fla(case, fla, max(10.0, min(args.fla_budget, args.budget - spent - 60)), notes):
             case.columns = tuple(c for c in case.columns if c != "fla")
         try:
             row = cases.run_case(case, fla, 2 if args.quick else args.rounds, graphs=not args.no_graphs)
@@ -176,6 +184,8 @@ def run(args):
     if not sections:
         harness.require_cuda("never-slower")
     device = "cuda" if any(s != "cpu" for s in sections) else "cpu"
+    if args.threads:  # before the stamp, which records the thread count
+        torch.set_num_threads(args.threads)
     fla = None
     if device == "cuda":
         fla_warm.cache_dir()  # before the first compile: this process and FLA's warm-up children share it
@@ -188,9 +198,9 @@ def run(args):
     result = report.new_result(name, "Never slower: ours against eager, default Inductor and FLA", device,
                                sections=",".join(sections), copy_bandwidth_tbs=BANDWIDTH[0] and
                                round(BANDWIDTH[0] / 1e12, 3), triton_cache=os.environ.get("TRITON_CACHE_DIR"))
-    rows = []
+    rows, start = [], time.perf_counter()
     for section in sections:
-        rows += run_section(section, args, fla, notes)
+        rows += run_section(section, args, fla, notes, start)
     result.rows = rows
     result.notes += notes + [
         "ratio = ours / best other (below 1.0: ours faster); 'graphs': the best of hand-captured CUDA graph "

@@ -117,12 +117,16 @@ def test_cp_scaling_tables_and_process_environment(monkeypatch):
 
 
 @pytest.mark.slow
-def test_cp_scaling_cpu_one_and_two_processes(capsys):
+def test_cp_scaling_cpu_one_and_two_processes(capsys, monkeypatch):
     """gloo processes on CPU (tens of seconds: each spawns and imports torch)."""
+    from benchmarks import cp_scaling
+
+    for name in cp_scaling.PROCESS_ENV:  # run() sets them for its children; restored after the test
+        monkeypatch.setenv(name, "unset")
     assert cli.main(["cp-scaling", "--device", "cpu", "--worlds", "1,2", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "| 2 | 128 |" in out
-    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert all(os.environ[name] == value for name, value in cp_scaling.PROCESS_ENV.items())
 
 
 def test_fla_warm_reports_a_child_past_its_limit(monkeypatch, tmp_path):
