@@ -117,9 +117,11 @@ def cp_rank(rank, world, args, device) -> dict:
 
 
 def nccl_ms_in_step(step, device) -> float:
-    """ms of NCCL kernels in one profiled step on this rank (None on CPU: gloo has no kernels)."""
+    """ms of the NCCL kernels of one profiled step on this rank (their waits for peers included:
+    the collectives run on the compute stream); NaN on CPU, where gloo launches no kernels."""
     if device.type != "cuda":
         return float("nan")
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
@@ -127,7 +129,8 @@ def nccl_ms_in_step(step, device) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and "nccl" in e.name.lower()]
+    return sum(e.device_time_total for e in kernels) / 1e3
 
 
 def tp_rank(rank, world, args, device) -> dict:

@@ -11,13 +11,17 @@ a child killed at its limit leaves what it finished for the next try (a rerun co
 
 ``cache_dir()`` is the shared directory: $TRITON_CACHE_DIR where set, else ``.cache/triton``
 in benchmarks/ (ignored by git; on a lent machine kept between calls of one session, and it can be
-carried to the next machine).
+carried to the next machine). Autotune results alone are small: ``--autotune-to DIR`` of the
+benchmarks that warm FLA saves them, and ``--autotune-from`` (default ``benchmarks/fla_autotune/``,
+which travels with the working tree when it is not ignored) loads them on a fresh machine, where FLA
+then compiles only each kernel's chosen config.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+SAVED = ROOT / "benchmarks" / "fla_autotune"  # autotune results carried with the working tree
 OPS = ("chunk_gla", "chunk_simple_gla", "fused_recurrent_gla", "fused_recurrent_simple_gla")
 
 
@@ -34,6 +39,54 @@ def cache_dir() -> str:
     path = os.environ.setdefault("TRITON_CACHE_DIR", str(ROOT / "benchmarks" / ".cache" / "triton"))
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def save_autotune(dst: str) -> int:
+    """Copy every autotune result in the cache (``<key>/<kernel>.autotune.json``: small files) to
+    ``dst``; returns how many. With them in a fresh machine's cache (``load_autotune``), FLA compiles
+    only each kernel's chosen config instead of all of them."""
+    src = Path(cache_dir())
+    n = 0
+    for f in src.glob("*/*.autotune.json"):
+        target = Path(dst) / f.parent.name / f.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, target)
+        n += 1
+    return n
+
+
+def load_autotune(src: str) -> int:
+    """Copy autotune results saved by ``save_autotune`` into the cache; returns how many. Triton
+    keys them by its version, the kernel's source, the device and the tuning key: a result from other
+    software or another GPU is never found, so a stale directory costs nothing."""
+    n = 0
+    for f in Path(src).glob("*/*.autotune.json"):
+        target = Path(cache_dir()) / f.parent.name / f.name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+            n += 1
+    return n
+
+
+def add_autotune_arguments(p) -> None:
+    """--autotune-from / --autotune-to, for the benchmarks that call FLA's chunked ops."""
+    p.add_argument("--autotune-from", default=str(SAVED), metavar="DIR",
+                   help="FLA autotune results to load into Triton's cache first (default: %(default)s, if there)")
+    p.add_argument("--autotune-to", metavar="DIR",
+                   help="save the autotune results in the cache here at the end (e.g. $OUT/fla_autotune; "
+                        "copy them into benchmarks/fla_autotune/ so that the next machine has them)")
+
+
+def autotune_before(args, notes: list) -> None:
+    if args.autotune_from and Path(args.autotune_from).is_dir():
+        notes.append(f"{load_autotune(args.autotune_from)} FLA autotune results loaded from {args.autotune_from}")
+
+
+def autotune_after(args) -> None:
+    if args.autotune_to:
+        print(f"[fla-warm] {save_autotune(args.autotune_to)} autotune results saved to {args.autotune_to}",
+              file=sys.stderr, flush=True)
 
 
 def warm(op: str, shape: tuple, budget_s: float, grad: bool = False, lengths: Optional[list] = None) -> tuple:

@@ -58,6 +58,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, help="torch's CPU threads (default: its own choice)")
     p.add_argument("--no-graphs", action="store_true", help="skip the hand-captured CUDA graph timings")
+    fla_warm.add_autotune_arguments(p)
     p.add_argument("--fla-budget", type=float, default=150.0,
                    help="seconds FLA may autotune per prefill shape and op (in a child process)")
     p.add_argument("--budget", type=float, default=360.0,
@@ -86,14 +87,16 @@ def section_cases(section: str, args, device: str) -> list:
             for shape in shapes for gate in gates]
 
 
-def warm_fla(case, fla, budget_s: float, notes: list) -> bool:
-    """FLA's prefill op autotuned in a child within the budget; False (and a note) if not."""
+def warm_fla(case, fla, budget_s: float, args, notes: list) -> bool:
+    """FLA's prefill op autotuned in a child within the budget (its results saved at once where
+    --autotune-to asks: a command stopped later keeps them); False (and a note) if not."""
     if fla is None or case.form != "prefill" or "fla" not in case.columns:
         return True
     op = "chunk_gla" if case.gate == "vector" else "chunk_simple_gla"
     ok, took, why = fla_warm.warm(op, case.shape, budget_s)
     if not ok:
         notes.append(why)
+    fla_warm.autotune_after(args)
     return ok
 
 
@@ -111,7 +114,7 @@ def run_section(section: str, args, fla, notes: list, start: float) -> list:
         print(f"[never-slower] {section} {i + 1}/{len(todo)} {case.label()} ({spent:.0f} s into the run)",
               file=sys.stderr, flush=True)
         # FLA's warm-up gets what the run has left, less a minute for the case's own work
-        if not warm_fla(case, fla, max(10.0, min(args.fla_budget, args.budget - spent - 60)), notes):
+        if not warm_fla(case, fla, max(10.0, min(args.fla_budget, args.budget - spent - 60)), args, notes):
             case.columns = tuple(c for c in case.columns if c != "fla")
         try:
             row = cases.run_case(case, fla, 2 if args.quick else args.rounds, graphs=not args.no_graphs)
@@ -189,6 +192,7 @@ def run(args):
     fla = None
     if device == "cuda":
         fla_warm.cache_dir()  # before the first compile: this process and FLA's warm-up children share it
+        fla_warm.autotune_before(args, notes)
         fla, why = inputs.fla_ops()
         if fla is None:
             notes.append(why)
@@ -201,6 +205,8 @@ def run(args):
     rows, start = [], time.perf_counter()
     for section in sections:
         rows += run_section(section, args, fla, notes, start)
+    if device == "cuda":
+        fla_warm.autotune_after(args)
     result.rows = rows
     result.notes += notes + [
         "ratio = ours / best other (below 1.0: ours faster); 'graphs': the best of hand-captured CUDA graph "

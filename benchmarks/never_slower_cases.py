@@ -201,8 +201,16 @@ def _backend(cost_rule: bool) -> Callable:
 BACKENDS = {"ours": _backend(True), "forced": _backend(False)}
 
 
+def _own_copy(fn: Callable) -> Callable:
+    """fn with a code object of its own: Dynamo keeps its compiled graphs and guards per code
+    object, so each compiled column looks up only its own (no other column's guards on its path)."""
+    import types
+
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def column_fn(name: str, case: Case, fla) -> Optional[Callable]:
-    program = case.program
+    program = case.program if name in ("eager", "fla") else _own_copy(case.program)
     base = name[:-3] if name.endswith("_ro") else name
     kw = {"mode": "reduce-overhead"} if name.endswith("_ro") else {}
     if name == "eager":
@@ -220,8 +228,10 @@ def applicable(name: str, case: Case, fla) -> Optional[str]:
     """None where the column runs for this case, else why not."""
     if name not in case.columns:
         return "not asked for"
-    if name.endswith("_ro") and (case.device == "cpu" or not case.has_cache):
-        return "CUDA graph trees: steps from a cache on CUDA only"
+    if (name.endswith("_ro") or name == "fla") and case.device == "cpu":
+        return "CUDA only"
+    if name.endswith("_ro") and not case.has_cache:
+        return "reduce-overhead: for the steps from a cache"
     if name in ("eager", "inductor") and not case.naive_fits():
         return "the [B, H, T, T] matrices do not fit"
     if name == "fla" and fla_fn(case, fla) is None:
@@ -301,6 +311,8 @@ def run_case(case: Case, fla, rounds: int, graphs: bool) -> dict:
     for name in COLUMNS:
         why = applicable(name, case, fla)
         if why is not None:
+            if why not in ("not asked for", "CUDA only"):
+                row.setdefault("skipped", {})[name] = why
             continue
         try:
             prepared[name] = prepare(name, case, base_args, ref, fla)

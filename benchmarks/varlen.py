@@ -40,6 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cases", default=",".join(CASES), help="of " + ",".join(CASES))
     p.add_argument("--impls", default="ours,fla")
     p.add_argument("--rounds", type=int, default=5)
+    fla_warm.add_autotune_arguments(p)
     p.add_argument("--fla-budget", type=float, default=150.0, help="seconds FLA may autotune per case and op")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
 
@@ -109,6 +110,7 @@ def run_case(name: str, lengths: list, shape: tuple, device: str, args, fla, not
     if fla is not None:
         for op, grad in (("chunk_gla", True), ("chunk_simple_gla", False)):
             ok, _, why = fla_warm.warm(op, shape, args.fla_budget, grad=grad, lengths=lengths)
+            fla_warm.autotune_after(args)  # saved at once: a command stopped later keeps them
             if not ok:
                 notes.append(f"{name}: {why}; FLA left out of this case")
                 fla = None
@@ -142,6 +144,8 @@ def run(args):
     heads, dim = (CPU["H"], CPU["K"]) if device == "cpu" else (H, K)
     notes = []
     fla = None
+    if device == "cuda":
+        fla_warm.autotune_before(args, notes)
     if "fla" in args.impls and device == "cuda":
         fla, why = inputs.fla_ops()
         if fla is None:
@@ -155,6 +159,8 @@ def run(args):
     result.notes += notes + ["ms: CUDA events (host time included; CPU clock on CPU); graph: CUDA-graph replays",
                              "ours fixed: the same tokens unpacked, N x L for equal lengths, else 1 x T"]
     result.sections.append(markdown(result.rows))
+    if device == "cuda":
+        fla_warm.autotune_after(args)
     return result
 
 

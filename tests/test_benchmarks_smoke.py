@@ -141,3 +141,20 @@ def test_fla_warm_reports_a_child_past_its_limit(monkeypatch, tmp_path):
     ok, took, why = fla_warm.warm("chunk_gla", (1, 64, 2, 16, 16), budget_s=1.0)
     assert not ok and took < 10 and "limit" in why and str(tmp_path) in why
     assert fla_warm.cache_dir() == str(tmp_path)
+
+
+def test_fla_autotune_results_round_trip(monkeypatch, tmp_path):
+    """Saved autotune files land in a fresh cache under the same key directory; others are not copied."""
+    from benchmarks import fla_warm
+
+    cache, saved, fresh = tmp_path / "cache", tmp_path / "saved", tmp_path / "fresh"
+    (cache / "abc123").mkdir(parents=True)
+    (cache / "abc123" / "chunk_fwd_kernel.autotune.json").write_text('{"key": [1], "configs_timings": []}')
+    (cache / "abc123" / "chunk_fwd_kernel.cubin").write_bytes(b"binary")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert fla_warm.save_autotune(str(saved)) == 1
+    assert [p.name for p in saved.rglob("*") if p.is_file()] == ["chunk_fwd_kernel.autotune.json"]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(fresh))
+    assert fla_warm.load_autotune(str(saved)) == 1
+    assert (fresh / "abc123" / "chunk_fwd_kernel.autotune.json").read_text().startswith('{"key"')
+    assert fla_warm.load_autotune(str(saved)) == 0  # already there
