@@ -138,3 +138,15 @@ def fla_ops() -> tuple:
     return types.SimpleNamespace(chunk_gla=chunk_gla, chunk_simple_gla=chunk_simple_gla,
                                  fused_recurrent_gla=fused_recurrent_gla,
                                  fused_recurrent_simple_gla=fused_recurrent_simple_gla), None
+
+
+def fla_version() -> Optional[str]:
+    """fla-core's version where FLA is installed (for the results' stamp), else None."""
+    from importlib import metadata
+
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None

@@ -201,7 +201,7 @@ def run(args):
     name = "never-slower" if sections == list(SECTIONS) else "never-slower-" + "-".join(sections)
     result = report.new_result(name, "Never slower: ours against eager, default Inductor and FLA", device,
                                sections=",".join(sections), copy_bandwidth_tbs=BANDWIDTH[0] and
-                               round(BANDWIDTH[0] / 1e12, 3), triton_cache=os.environ.get("TRITON_CACHE_DIR"))
+                               round(BANDWIDTH[0] / 1e12, 3), triton_cache=os.environ.get("TRITON_CACHE_DIR"), fla=inputs.fla_version())
     rows, start = [], time.perf_counter()
     for section in sections:
         rows += run_section(section, args, fla, notes, start)

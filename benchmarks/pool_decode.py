@@ -28,7 +28,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from benchmarks import harness, report
+from benchmarks import harness, inputs, report
 
 P, H, K, V = 1024, 32, 128, 128
 CPU_SHAPE = (16, 2, 32, 32)  # P, H, K, V of the CPU run
@@ -210,9 +210,9 @@ def run(args):
         batches, steps = batches[:1], steps[:1]
     rounds = 2 if args.quick else args.rounds
     result = report.new_result("pool-decode", "Decoding into a state pool, in place", device, P=shape[0],
-                               H=shape[1], K=shape[2], V=shape[3], pad=args.pad)
-    if "fla" in args.impls and not fla(shape, device):
-        result.notes.append("FLA not importable: its rows are skipped")
+                               H=shape[1], K=shape[2], V=shape[3], pad=args.pad, fla=inputs.fla_version())
+    if "fla" in args.impls and inputs.fla_ops()[0] is None:
+        result.notes.append(inputs.fla_ops()[1])
     for T in steps:
         for B in batches:
             result.rows += run_batch(B, T, shape, device, args, rounds)

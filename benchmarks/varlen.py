@@ -151,7 +151,7 @@ def run(args):
         if fla is None:
             notes.append(why)
     result = report.new_result("varlen", "Packed variable-length sequences against FLA", device, H=heads, K=dim,
-                               V=dim, cases={n: l for n, l in cases.items()})
+                               V=dim, cases={n: l for n, l in cases.items()}, fla=inputs.fla_version())
     for name, lengths in cases.items():
         print(f"[varlen] {name}: {len(lengths)} sequences, {sum(lengths)} tokens", file=sys.stderr,
               flush=True)
