@@ -158,3 +158,15 @@ def test_fla_autotune_results_round_trip(monkeypatch, tmp_path):
     assert fla_warm.load_autotune(str(saved)) == 1
     assert (fresh / "abc123" / "chunk_fwd_kernel.autotune.json").read_text().startswith('{"key"')
     assert fla_warm.load_autotune(str(saved)) == 0  # already there
+
+
+def test_cpu_benchmark_recognition_part(capsys):
+    assert cli.main(["cpu", "--quick", "--parts", "recognition"]) == 0
+    assert "recognition of a T=64 loop graph" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_models_quick_on_cpu(capsys):
+    """transformers' Mamba2 at tiny shapes on CPU (minutes: it compiles every phase)."""
+    pytest.importorskip("transformers")
+    assert cli.main(["models", "--quick"]) == 0
