@@ -199,6 +199,8 @@ def run(args):
         BANDWIDTH[0] = harness.copy_bandwidth(1 << 30)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     name = "never-slower" if sections == list(SECTIONS) else "never-slower-" + "-".join(sections)
+    if args.shapes and "prefill" in sections:  # runs split over shapes get files of their own
+        name += "-shapes" + args.shapes.replace(",", "")
     result = report.new_result(name, "Never slower: ours against eager, default Inductor and FLA", device,
                                sections=",".join(sections), copy_bandwidth_tbs=BANDWIDTH[0] and
                                round(BANDWIDTH[0] / 1e12, 3), triton_cache=os.environ.get("TRITON_CACHE_DIR"), fla=inputs.fla_version())
