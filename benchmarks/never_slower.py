@@ -179,6 +179,9 @@ def run(args):
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         raise SystemExit(f"--section: unknown {bad}; choose from {', '.join(SECTIONS)}")
+    unknown = set(args.impls.split(",")) - set(cases.COLUMNS)
+    if unknown:
+        raise SystemExit(f"--impls: unknown {sorted(unknown)}; choose from {', '.join(cases.COLUMNS)}")
     notes = []
     gpu = [s for s in sections if s != "cpu"]
     if gpu and not torch.cuda.is_available():

@@ -57,6 +57,8 @@ def test_never_slower_leaves_gpu_sections_out_and_requires_cuda_for_them_alone()
     assert "needs CUDA" in str(e.value.code)
     with pytest.raises(SystemExit, match="unknown"):
         cli.main(["never-slower", "--section", "decod"])
+    with pytest.raises(SystemExit, match="unknown"):
+        cli.main(["never-slower", "--section", "cpu", "--impls", "ours,flash"])
 
 
 def test_never_slower_cpu_section(tmp_path, capsys):
