@@ -131,5 +131,22 @@ def fla_ops() -> tuple:
         return None, f"FLA not importable ({type(e).__name__}: {str(e)[:120]}): its columns are skipped"
     import types
 
+    try:
+        from fla.ops.simple_gla import fused_recurrent_simple_gla
+    except Exception:  # noqa: BLE001 - older FLA: its scalar-gate step columns are skipped
+        fused_recurrent_simple_gla = None
     return types.SimpleNamespace(chunk_gla=chunk_gla, chunk_simple_gla=chunk_simple_gla,
-                                 fused_recurrent_gla=fused_recurrent_gla), None
+                                 fused_recurrent_gla=fused_recurrent_gla,
+                                 fused_recurrent_simple_gla=fused_recurrent_simple_gla), None
+
+
+def fla_version() -> Optional[str]:
+    """fla-core's version where FLA is installed (for the results' stamp), else None."""
+    from importlib import metadata
+
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None

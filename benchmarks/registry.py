@@ -36,6 +36,20 @@ BENCHMARKS = {
     "compile-time": Entry("benchmarks.compile_time",
                           "cold compile time of the block, ours and FLA's, each run in a fresh process with "
                           "empty caches (CUDA)"),
+    "never-slower": Entry("benchmarks.never_slower",
+                          "decode, short steps and prefill: ours (cost rule on and off) against naive eager, "
+                          "default Inductor and FLA, with and without CUDA graphs; ratios ours / best other; "
+                          "a CPU section (--section decode,short,prefill,cpu)"),
+    "pool-decode": Entry("benchmarks.pool_decode",
+                         "decoding into a serving engine's state pool in place (ssm_state_indices, K- and "
+                         "V-first pools, bf16 pool) against FLA, % of the state bytes' copy floor (CUDA; "
+                         "--device cpu: tiny shapes)"),
+    "varlen": Entry("benchmarks.varlen",
+                    "packed variable-length sequences (cu_seqlens): ours against FLA chunk_gla / "
+                    "chunk_simple_gla and against ours at equal tokens unpacked (CUDA; --device cpu: tiny)"),
+    "cp-scaling": Entry("benchmarks.cp_scaling",
+                        "context-parallel (and tensor-parallel) GLA over 1, 2, 4 GPUs with NCCL: speed-up and "
+                        "the communication share of the step (several GPUs; --device cpu: gloo, tiny)"),
     "tune": Entry("benchmarks.tune",
                   "tile sweeps of the kernels (schedule, segments, slices, dqkg), stage ablations, A/B of code "
                   "versions (CUDA)", tool=True),

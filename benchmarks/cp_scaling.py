@@ -1,0 +1,230 @@
+"""Context-parallel and tensor-parallel scaling of GLA over 1, 2 and 4 GPUs (NCCL).
+
+Context parallel (issue targets: 4 GPUs >= 3.5x one GPU, 2 GPUs >= 1.8x, communication <= 5% of
+the step): B=1, H=16, K=V=128, bf16, vector gate, sequence T (128k) split over W ranks. Per W, the
+step is ``context_parallel_gla`` forward + backward on each rank's T/W steps (W=1: ``chunk_gla`` on
+all T, the baseline), median over iterations, the slowest rank's. The communication share, two
+ways: ``comm_in_step``: the time of the step's NCCL kernels inside the step (one profiled step,
+the slowest rank), over the step; ``comm_alone``: the step's collectives run by themselves (one
+all-gather of the packed [B, H, K, V + 1] fp32 states and decays of every rank, and the backward's
+reduce-scatter), over the step.
+
+Tensor parallel (--mode tp; target: per-rank time within 1.05x of one GPU running that rank's
+heads): H heads as DTensors sharded over W ranks, ``chunk_gla`` forward + backward, against
+``chunk_gla`` on plain tensors with H/W heads on one rank.
+
+Each W runs in W fresh processes (torch.multiprocessing spawn); every process sets
+NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (NVLink multicast off) before NCCL starts.
+--device cpu runs gloo processes on CPU at a tiny size (checks the benchmark).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from benchmarks import harness, report
+
+PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+CPU_SIZE = {"T": 256, "H": 2, "K": 16}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--mode", choices=("cp", "tp"), default="cp")
+    p.add_argument("--worlds", default="1,2,4", help="process counts (those above the GPU count are left out)")
+    p.add_argument("--T", type=int, default=131072)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--K", type=int, default=128, help="K = V")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="torch.compile the GLA call")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+
+
+def timed(fn, device, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() on this rank, ranks aligned by a barrier before each run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def slowest(ms: float, device) -> float:
+    t = torch.tensor([ms], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gla_inputs(B, T, H, K, V, dtype, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, device=device, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen, device=device)).to(dtype) / 16
+    return [x.requires_grad_() for x in (q, k, v, g)]
+
+
+def step_fn(fn, tensors):
+    do = torch.randn_like(tensors[2])
+
+    def step():
+        o, _ = fn(*tensors)
+        o.backward(do)
+
+    return step
+
+
+def cp_rank(rank, world, args, device) -> dict:
+    import gla_inductor
+    from gla_inductor.distributed import context_parallel_gla
+
+    B, H, K, V = 1, args.H, args.K, args.K
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tensors = gla_inputs(B, args.T // world, H, K, V, dtype, device, seed=rank)
+    gla = gla_inductor.chunk_gla if world == 1 else context_parallel_gla
+    if args.compile:
+        gla = torch.compile(gla, fullgraph=True)
+    step_ms = slowest(timed(step_fn(gla, tensors), device, args.iters), device)
+    # the step's collectives alone: the all-gather of the packed states and decays, [B, H, K, V + 1]
+    # in fp32 per rank, and the backward's reduce-scatter of their gradients
+    packed = torch.randn(B * H * K * (V + 1), device=device)
+    gathered = packed.new_empty(world * packed.numel())
+
+    def comm():
+        dist.all_gather_into_tensor(gathered, packed)
+        dist.reduce_scatter_tensor(packed, gathered)
+
+    comm_ms = slowest(timed(comm, device, args.iters), device) if world > 1 else 0.0
+    in_step = slowest(nccl_ms_in_step(step_fn(gla, tensors), device), device) if world > 1 else 0.0
+    return {"world": world, "T_per_rank": args.T // world, "step_ms": step_ms, "comm_alone_ms": comm_ms,
+            "comm_in_step_ms": in_step}
+
+
+def nccl_ms_in_step(step, device) -> float:
+    """ms of the NCCL kernels of one profiled step on this rank (their waits for peers included:
+    the collectives run on the compute stream); NaN on CPU, where gloo launches no kernels."""
+    if device.type != "cuda":
+        return float("nan")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and "nccl" in e.name.lower()]
+    return sum(e.device_time_total for e in kernels) / 1e3
+
+
+def tp_rank(rank, world, args, device) -> dict:
+    import gla_inductor
+    import gla_inductor.distributed  # noqa: F401  (sharding rules)
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    B, T, H, K = 1, args.T // 4, args.H, args.K
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    full = gla_inputs(B, T, H, K, K, dtype, device, seed=0)
+    mesh = init_device_mesh(device.type, (world,))
+    sharded = [distribute_tensor(x.detach(), mesh, [Shard(2)]).requires_grad_() for x in full]
+    local = [x.to_local().detach().requires_grad_() for x in sharded]
+    do_sharded = distribute_tensor(torch.randn(B, T, H, K, device=device, dtype=dtype), mesh, [Shard(2)])
+
+    def dtensor_step():
+        o, _ = gla_inductor.chunk_gla(*sharded)
+        o.backward(do_sharded)
+
+    dt_ms = slowest(timed(dtensor_step, device, args.iters), device)
+    local_ms = slowest(timed(step_fn(gla_inductor.chunk_gla, local), device, args.iters), device)
+    return {"world": world, "heads_per_rank": H // world, "dtensor_ms": dt_ms, "local_heads_ms": local_ms}
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.update(PROCESS_ENV)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        result = (tp_rank if args.mode == "tp" else cp_rank)(rank, world, args, device)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, args) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(world, port, args, queue), nprocs=world)
+    return queue.get()
+
+
+def run(args):
+    os.environ.update(PROCESS_ENV)  # inherited by the spawned processes, which set it again themselves
+    if args.device == "cuda":
+        harness.require_cuda("cp-scaling")
+    if args.device == "cpu":
+        args.T, args.H, args.K = CPU_SIZE["T"], CPU_SIZE["H"], CPU_SIZE["K"]
+    worlds = [int(w) for w in args.worlds.split(",")]
+    notes = []
+    if args.device == "cuda":
+        dropped = [w for w in worlds if w > torch.cuda.device_count()]
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
+        if dropped:
+            notes.append(f"worlds {dropped} left out: {torch.cuda.device_count()} GPU(s) visible")
+    if args.quick:
+        args.iters = 2
+    result = report.new_result(f"cp-scaling-{args.mode}", f"{'Context' if args.mode == 'cp' else 'Tensor'}-parallel "
+                               "scaling of GLA", args.device, mode=args.mode, T=args.T, H=args.H, K=args.K,
+                               compiled=args.compile, iters=args.iters, **PROCESS_ENV)
+    for w in worlds:
+        if args.mode == "tp" and w == 1:
+            continue
+        print(f"[cp-scaling] {args.mode} W={w}", file=sys.stderr, flush=True)
+        row = run_world(w, args)
+        harness.log(row)
+        result.rows.append(row)
+    result.notes += notes
+    result.sections.append(cp_table(result.rows) if args.mode == "cp" else tp_table(result.rows))
+    return result
+
+
+def cp_table(rows: list) -> str:
+    base = next((r["step_ms"] for r in rows if r["world"] == 1), None)
+    for r in rows:
+        r["speedup"] = base / r["step_ms"] if base else None
+        r["comm_in_step_share"] = r["comm_in_step_ms"] / r["step_ms"]
+        r["comm_alone_share"] = r["comm_alone_ms"] / r["step_ms"]
+    return "Forward + backward per step, the slowest rank\n\n" + report.table(rows, [
+        ("W", "world", "d"), ("T per rank", "T_per_rank", "d"), ("ms / step", "step_ms", ".2f"),
+        ("speed-up vs 1", "speedup", ".2f"), ("NCCL in step ms", "comm_in_step_ms", ".3f"),
+        ("share", lambda r: 100 * r["comm_in_step_share"], ".1f"), ("collectives alone ms", "comm_alone_ms", ".3f"),
+        ("share ", lambda r: 100 * r["comm_alone_share"], ".1f")])
+
+
+def tp_table(rows: list) -> str:
+    for r in rows:
+        r["ratio"] = r["dtensor_ms"] / r["local_heads_ms"]
+    return report.table(rows, [("W", "world", "d"), ("heads per rank", "heads_per_rank", "d"),
+                               ("DTensor ms", "dtensor_ms", ".2f"), ("local heads ms", "local_heads_ms", ".2f"),
+                               ("ratio", "ratio", ".3f")])
