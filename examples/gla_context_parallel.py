@@ -1,6 +1,6 @@
 """A small GLA language model trained with its sequence split over 2 processes (context parallel).
 
-    python examples/gla_context_parallel.py [--steps 5] [--seq 128] [--compile]
+    python examples/gla_context_parallel.py [--steps 5] [--seq 128] [--compile] [--dtensor]
 
 Both processes hold the whole model and their half of every sequence. Everything but the
 attention works token by token, so it runs on the local half unchanged; the attention's state
@@ -26,6 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 import gla_inductor
 from gla_inductor.distributed import context_parallel_gla
@@ -49,6 +52,20 @@ def naive_gla(q, k, v, g):
 def sequence_parallel_gla(q, k, v, g):
     """The same map on this rank's slice of the sequence, the state passed between the ranks."""
     return context_parallel_gla(q, k, v, g)[0]
+
+
+def dtensor_naive_gla(mesh):
+    """The textbook loop itself, on this rank's slices as DTensors sharded over time (Shard(1)),
+    compiled with gla_inductor.backend: the rewrite sees the placements and turns the loop into
+    ``context_parallel_gla``. (Not eager: DTensor would run the loop's per-step writes o[:, t] on
+    each rank's local indices.)"""
+    loop = torch.compile(naive_gla, backend=gla_inductor.backend, fullgraph=True)
+
+    def attention(q, k, v, g):
+        q, k, v, g = (DTensor.from_local(x, mesh, [Shard(1)], run_check=False) for x in (q, k, v, g))
+        return loop(q, k, v, g).to_local()
+
+    return attention
 
 
 class GLABlock(nn.Module):
@@ -137,12 +154,16 @@ def worker(rank: int, port: int, args) -> None:
     sharded = TinyLM(sequence_parallel_gla).to(device)
     single = copy.deepcopy(sharded)
     single.blocks.apply(lambda m: setattr(m, "attention", naive_gla) if isinstance(m, GLABlock) else None)
+    if args.dtensor:
+        attention = dtensor_naive_gla(init_device_mesh(device.type, (WORLD,)))
+        sharded.blocks.apply(lambda m: setattr(m, "attention", attention) if isinstance(m, GLABlock) else None)
     tokens = torch.randint(0, 256, (4, args.seq + 1), device=device)
     if args.compile:
         sharded = torch.compile(sharded, backend=gla_inductor.backend)
         single = torch.compile(single, backend=gla_inductor.backend)
 
     losses = train_sharded(sharded, tokens, args.steps, rank)
+    rewrites = counters["gla_inductor"]["rewrites"]  # the sharded model's (the layers share one compiled loop)
     if rank == 0:
         reference = train_single(single, tokens, args.steps)
         print(f"{WORLD} ranks ({'NCCL' if cuda else 'gloo'}), sequence {args.seq} split in {WORLD}:")
@@ -153,6 +174,9 @@ def worker(rank: int, port: int, args) -> None:
         print(f"largest relative difference: {worst:.1e}")
         assert worst < 1e-4, "the sharded run should follow the single-process one"
         assert losses[-1] < losses[0], "the loss should go down"
+        if args.dtensor:
+            print(f"the time loop on DTensors, rewritten into context parallelism: {rewrites} graph(s)")
+            assert rewrites >= 1, "the loop on DTensors should have been rewritten"
     dist.destroy_process_group()
 
 
@@ -161,6 +185,9 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="compile both models with gla_inductor.backend")
+    parser.add_argument("--dtensor", action="store_true",
+                        help="the sharded model's attention: the textbook loop on DTensors sharded over time, "
+                             "compiled (rewritten into context parallelism)")
     args = parser.parse_args()
     os.environ.update(PROCESS_ENV)
     with socket.socket() as s:

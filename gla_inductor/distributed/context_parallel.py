@@ -45,11 +45,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..contract import GLACall
 from ..ops import chunk_gla
 from ..gates import GateFn, log_gate
 from . import tensor_parallel as tp
 
-__all__ = ["context_parallel_gla"]
+__all__ = ["context_parallel_gla", "chunk_fwd_over_time"]
 
 LAYOUTS = ("contiguous", "head_tail")
 
@@ -350,3 +351,26 @@ def context_parallel_gla(
         return _dtensor_cp(given, options, layout, bool(output_final_state), bool(reverse))
     return _local_cp(**tensors, **options, output_final_state=bool(output_final_state), reverse=bool(reverse),
                      group=group, layout=layout)
+
+
+def chunk_fwd_over_time(*args, **kwargs) -> tuple[Tensor, Optional[Tensor]]:
+    """``context_parallel_gla`` called with ``chunk_fwd``'s arguments, for DTensor inputs sharded over
+    time: what the GLA rewrite emits in the op's place for them (``recognize/core/placement_dtensor``).
+    Returns (o, final state), the final state None where it was not asked for."""
+    call = GLACall.from_op_args(args, kwargs)
+    if call.varlen:
+        raise ValueError("context_parallel_gla: packed sequences (cu_seqlens) cannot be split over time")
+    call = call.replace(**_replicated(call.tensors(), call.q))
+    fn = call.gate
+    return context_parallel_gla(
+        call.q, call.k, call.v, call.g, g_gamma=call.g_gamma, scale=call.scale, initial_state=call.initial_state,
+        output_final_state=call.output_final_state, reverse=call.reverse, gate_fn=fn.name or None,
+        gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi, gate_a=call.gate_a, gate_bias=call.gate_bias)
+
+
+def _replicated(tensors: dict[str, Optional[Tensor]], like: DTensor) -> dict[str, DTensor]:
+    """The plain tensors among the inputs (constants the rewrite made, the same on every rank) as
+    DTensors replicated over q's mesh."""
+    mesh = like.device_mesh
+    return {n: DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            for n, x in tensors.items() if x is not None and not isinstance(x, DTensor)}

@@ -203,12 +203,27 @@ def _working_state(call: GLACall, v_first: bool) -> tuple[Tensor, GLACall]:
         return h0.to(call.state_dtype, copy=True), call
     B, _, H, K = q.shape
     V = v.shape[-1]
-    state = _kv(q.new_empty((B, H, V, K) if v_first else (B, H, K, V), dtype=call.state_dtype), v_first)
+    state = _kv(_zeros_like_heads(v, (B, H, V, K) if v_first else (B, H, K, V), call.state_dtype), v_first)
     if indices is not None:
         state.copy_(gather_slots(h0, indices, call.state_dtype))
         valid, _ = slot_validity(indices, h0.shape[0])
         return state, call.replace(state_indices=torch.where(valid, torch.arange(B, device=q.device), -1))
-    return state.zero_(), call
+    return state, call
+
+
+def _zeros_like_heads(v: Tensor, shape: tuple, dtype: torch.dtype) -> Tensor:
+    """Zeros of a state's shape [B, H, ., .]. Where v is a DTensor they are sharded as v over its heads
+    (dim 2 -> 1) and batch (dim 0), which the op's sharding rule asks of the state it updates in place;
+    v's other shards leave the state Replicate, for the rule to refuse v."""
+    if not torch.distributed.is_available():
+        return v.new_zeros(shape, dtype=dtype)
+    from torch.distributed.tensor import DTensor, Replicate, Shard, zeros
+
+    if not isinstance(v, DTensor):
+        return v.new_zeros(shape, dtype=dtype)
+    dims = {2: 1, 0: 0}
+    placements = [Shard(dims[p.dim]) if type(p) is Shard and p.dim in dims else Replicate() for p in v.placements]
+    return zeros(shape, dtype=dtype, device_mesh=v.device_mesh, placements=placements)
 
 
 def _validate_state_args(q: Tensor, v: Tensor, state: Optional[Tensor], indices: Optional[Tensor], inplace: bool,

@@ -27,7 +27,9 @@ import torch.multiprocessing as mp
 # NVLink multicast off in every process these tests start (the multi-GPU machines require it)
 PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
-COLLECTIVE_TIMEOUT_S = 60
+# how long a collective waits for its peers: a rank that raised leaves them waiting. NCCL ranks may
+# compile Triton kernels (seconds each) while their peers already wait in a collective.
+COLLECTIVE_TIMEOUT_S = {"gloo": 60, "nccl": 300}
 
 
 @dataclass
@@ -62,17 +64,19 @@ def _worker(rank: int, module: str, names: list[str], world: int, backend: str, 
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # W processes share the runner's cores
-    from torch._inductor import config as inductor_config
-
-    # compile in the rank's own process: a pool of compile workers per rank, each importing torch,
-    # costs more than it saves when W ranks share a few cores
-    inductor_config.compile_threads = 1
-    device = torch.device("cpu")
+    device, options = torch.device("cpu"), {}
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank)  # before any CUDA work: NCCL and the kernels use the current device
         device = torch.device("cuda", rank)
+        options["device_id"] = device  # the communicator bound to this rank's GPU from the start
+    else:
+        from torch._inductor import config as inductor_config
+
+        # compile in the rank's own process: a pool of compile workers per rank, each importing torch,
+        # costs more than it saves when W ranks share a few cores (GPU machines have cores to spare)
+        inductor_config.compile_threads = 1
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S[backend]), **options)
     checks = importlib.import_module(module)
     # as in the test process (conftest's no_cost_rule): the checks are about what gets rewritten
     import gla_inductor
@@ -148,6 +152,11 @@ def assert_close(results: list[dict[str, dict]], name: str, rtol: float) -> None
         assert "raised" not in r, f"rank {rank}: {r['raised']}\n{r['trace']}"
         bad = {k: v for k, v in r["errors"].items() if not v <= rtol}
         assert not bad, f"rank {rank}: relative errors above {rtol}: {bad}"
+
+
+def world_id(world: int) -> str:
+    """The test id of a world size: ``-k gpus4`` selects the 4-GPU variants."""
+    return f"gpus{world}"
 
 
 def need_gpus(n: int) -> Optional[str]:

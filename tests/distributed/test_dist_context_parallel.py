@@ -251,7 +251,7 @@ def test_four_ranks(check):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4], ids=harness.world_id)
 def test_nccl(world):
     if reason := harness.need_gpus(world):
         pytest.skip(reason)

@@ -149,6 +149,26 @@ def fused_recurrent_in_place(ctx):
             "o_api": cases.rel_err(o_api.full_tensor(), ref_o), "ht_api": cases.rel_err(ht.full_tensor(), ref_state)}
 
 
+def fused_recurrent_zero_state(ctx):
+    """fused_recurrent_gla without an initial state: the zero state it starts from is sharded like
+    the inputs (over heads, then over the batch), so the final state comes back so too."""
+    import gla_inductor
+    from torch.distributed.tensor import Shard
+
+    tensors, _ = cases.gla_inputs("vector", T=3, B=ctx.world, initial_state=False, device=ctx.device)
+    with torch.no_grad():
+        ref_o, ref_ht = gla_inductor.fused_recurrent_gla(**tensors, output_final_state=True)
+        errors = {}
+        for mode, o_dim, state_dim in (("heads", 2, 1), ("batch", 0, 0)):
+            dt = _dtensors(ctx, tensors, dict.fromkeys(tensors, Shard(o_dim)))
+            o, ht = gla_inductor.fused_recurrent_gla(**dt, output_final_state=True)
+            _expect_placements(o, Shard(o_dim))
+            _expect_placements(ht, Shard(state_dim))
+            errors.update({f"{mode}_o": cases.rel_err(o.full_tensor(), ref_o),
+                           f"{mode}_ht": cases.rel_err(ht.full_tensor(), ref_ht)})
+    return errors
+
+
 def _targets(graphs) -> set[str]:
     return {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
 
@@ -291,8 +311,8 @@ def error_groups_split(ctx):
 
 CHECKS_2 = [heads_vector_grouped, heads_scalar_reverse, heads_constant_gate, heads_no_gate, heads_fused_logsigmoid,
             heads_fused_softplus, heads_with_replicated_inputs, batch_constant_gate, fused_recurrent_in_place,
-            error_shard_over_k, error_shard_over_time, error_mixed_heads_and_batch, error_partial_input,
-            error_state_not_sharded_in_place, compiled_inductor_heads, compiled_naive_loop_heads,
+            fused_recurrent_zero_state, error_shard_over_k, error_shard_over_time, error_mixed_heads_and_batch,
+            error_partial_input, error_state_not_sharded_in_place, compiled_inductor_heads, compiled_naive_loop_heads,
             compiled_decode_step_heads]
 CHECKS_4 = [heads_vector_grouped, heads_fused_softplus, error_groups_split]
 ERRORS = {error_shard_over_k, error_shard_over_time, error_mixed_heads_and_batch, error_partial_input,
@@ -316,7 +336,7 @@ def test_four_ranks(check):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4], ids=harness.world_id)
 def test_nccl(world):
     if reason := harness.need_gpus(world):
         pytest.skip(reason)

@@ -9,6 +9,7 @@ those above it):
     rules       the normal form of each operation from its operands'
     analyzer    Analyzer: the normal form of every node of one graph, and its memory facts
     assembly    outputs assembled over time (stack, cat, a buffer filled step by step)
+    placement_dtensor  the op call for DTensor inputs sharded over time (context parallelism)
     emit        Transaction, Emitter, and the GLA op call from a GLACall (``emit_op``)
     placement   where the op goes, and the write-back of a decode step's state
     clean       dead code after a rewrite

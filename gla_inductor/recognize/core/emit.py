@@ -29,6 +29,7 @@ import torch.fx as fx
 from ...contract import GLACall
 from .consts import example_value
 from .match import Reject
+from .placement_dtensor import chunk_fwd_target
 
 
 class EmitError(Exception):
@@ -296,10 +297,11 @@ def lfactor(node: fx.Node, select: tuple, per_axis: list, lifted=None, shape=Non
 def emit_op(em: Emitter, call: GLACall, in_place_state: Optional[fx.Node] = None) -> fx.Node:
     """The GLA op for `call`, a GLACall of graph nodes, inserted by `em`: ``chunk_fwd``, whose
     value is (o, final state); or, given the state it updates in place (the cache a decode step
-    reads and writes back, as [B, H, K, V]), ``fused_recurrent``, whose value is o."""
+    reads and writes back, as [B, H, K, V]), ``fused_recurrent``, whose value is o. DTensor inputs
+    sharded over time get context parallelism in chunk_fwd's place (``placement_dtensor``)."""
     if in_place_state is not None:
         return em.call(fused_recurrent_op(), *call.recurrent_op_args(in_place_state))
-    return em.call(torch.ops.gla_inductor.chunk_fwd.default, *call.op_args())
+    return em.call(chunk_fwd_target(call), *call.op_args())
 
 
 def drop_final_state(op: fx.Node, call: GLACall) -> None:
