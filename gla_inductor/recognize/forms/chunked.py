@@ -26,9 +26,11 @@ from ..core.algebra import AV, Factor, comps
 from ..core.analyzer import Analyzer
 from ..core.emit import LFactor
 from ..core.match import Match, NearMiss, Reject
+from ..certify.certificate import CertificateTooLarge
 from ..certify.spec import Spec
 from . import chunk_loop, parallel
-from .chunk_candidate import complete, match_of
+from .chunk_candidate import complete, match_of, readings
+from .cumsum_chunks import diagnose
 from .intra_chunk import Roles, may_hold_chunks, role_sizes, seeds
 
 
@@ -44,8 +46,9 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             matches.append(chunk_loop.analyze(an, asm, [(e, *found[e]) for e in elems]))
         except Reject as e:
             near.append(NearMiss("chunked", str(e), [asm.result]))
+    inner = _inner(found)
     for out, (term, roles) in found.items():
-        if out in in_loops or len(an.value(out).terms) < 2:
+        if out in in_loops or out in inner or len(an.value(out).terms) < 2:
             continue  # one chunk alone, without a state read, is a parallel form
         if roles.c is None and parallel.proven(an, out):
             continue  # one chunk with a state read that the parallel form proves, at any size
@@ -54,6 +57,16 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         except Reject as e:
             near.append(NearMiss("chunked", str(e), [out]))
     return matches, near
+
+
+def _inner(found: dict) -> set:
+    """Seeds whose value a user scales or shifts into another seed of the same q, k, v (the
+    chunked output, then times a scale): only the outermost is the candidate."""
+    def inputs(r: Roles):
+        return r.q.atom.node, r.k.atom.node, r.v.atom.node
+
+    return {n for n, (_, r) in found.items()
+            if any(u in found and inputs(found[u][1]) == inputs(r) for u in n.users)}
 
 
 def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
@@ -66,7 +79,15 @@ def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
     if scalars:
         raise Reject("the chunked form scales by a number computed in the graph")
     base = Spec(q, k, v, None, "none", None, [], out, out_groups, None, [], term[0], sizes)
-    spec = complete(an, base)
+    try:
+        spec = complete(an, base)
+    except CertificateTooLarge:
+        raise
+    except Reject as e:
+        why = diagnose(an, readings(an, base), an.sizes[r.i]) if r.c is not None else None
+        if why is None:
+            raise
+        raise Reject(f"{e}: {why}") from e
     return match_of(an, spec)
 
 

@@ -1,0 +1,236 @@
+"""Loop-free chunked GLA whose chunk states are exclusive cumulative sums over the chunk axis
+(``recognize/forms/cumsum_chunks.py``): the key-value product of each chunk (with its decays),
+``cumsum`` over chunks, shifted by one chunk (a zero chunk concatenated in front, ``F.pad``, or
+the cumsum minus the chunk itself), read by the chunk's queries next to the masked intra-chunk
+attention. No gate, a constant decay per head (RetNet's gamma, from an input or a module
+buffer), a scalar and a vector gate as cumulative log decays; head-first and [B, T, H, D]
+layouts. Each is certified and rewritten to one op, equal to float64 eager in value and every
+gradient. Look-alikes (an inclusive cumsum, a shift by two chunks, no decay between chunks)
+stay code, with the first weight that differs from GLA's, expected against found."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gla_inductor.backend import rewrite
+from helpers import check_rewrite_exact, compile_rewritten, rel_err
+
+B, H, T, C, K, V = 2, 3, 12, 4, 4, 5
+N = T // C
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
+
+
+def chunks(x):
+    """[B, H, T, D] -> [B, H, N, C, D]."""
+    return x.reshape(x.shape[0], x.shape[1], -1, C, x.shape[-1])
+
+
+def causal():
+    return torch.tril(torch.ones(C, C, dtype=torch.bool))
+
+
+def exclusive_cat(s, dim=2):
+    """The states entering each chunk: a zero chunk in front, the last chunk's sum dropped."""
+    first = torch.zeros_like(s.narrow(dim, 0, 1))
+    return torch.cat([first, s.narrow(dim, 0, s.shape[dim] - 1)], dim)
+
+
+# ---- rewritten -----------------------------------------------------------------------------------
+def plain_cat(q, k, v):
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    state = exclusive_cat((kc.transpose(-1, -2) @ vc).cumsum(2))
+    att = (qc @ kc.transpose(-1, -2)).masked_fill(~causal(), 0)
+    return (att @ vc + qc @ state).reshape(v.shape)
+
+
+def plain_minus_self(q, k, v):
+    """einsum spelling, the exclusive sum as the inclusive one minus the chunk itself."""
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    kv = torch.einsum("bhnck,bhncv->bhnkv", kc, vc)
+    state = kv.cumsum(2) - kv
+    att = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * causal()
+    o = torch.einsum("bhnij,bhnjv->bhniv", att, vc) + torch.einsum("bhnik,bhnkv->bhniv", qc, state)
+    return o.flatten(2, 3)
+
+
+def plain_pad(q, k, v):
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    state = F.pad((kc.transpose(-1, -2) @ vc).cumsum(2), (0, 0, 0, 0, 1, 0))[:, :, :-1]
+    return ((qc @ kc.transpose(-1, -2)).tril() @ vc + qc @ state).flatten(2, 3) * K**-0.5
+
+
+def scalar_gate(q, k, v, g):
+    """g [B, H, T]: cumulative log decays G, k * exp(-G) summed into the state, q * exp(G) reads it."""
+    G = chunks(g.cumsum(-1)[..., None])
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    state = exclusive_cat(((kc * (-G).exp()).transpose(-1, -2) @ vc).cumsum(2))
+    D = (G - G.transpose(-1, -2)).masked_fill(~causal(), float("-inf")).exp()
+    return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * G.exp()) @ state).flatten(2, 3)
+
+
+def vector_gate(q, k, v, g):
+    """g [B, H, T, K]: the decays folded into q and k (q e^G, k e^-G)."""
+    G = chunks(g.cumsum(2))
+    qc, kc, vc = chunks(q) * G.exp(), chunks(k) * (-G).exp(), chunks(v)
+    state = exclusive_cat((kc.transpose(-1, -2) @ vc).cumsum(2))
+    return ((qc @ kc.transpose(-1, -2)).tril() @ vc + qc @ state).flatten(2, 3)
+
+
+def time_major_scalar(q, k, v, g):
+    """[B, T, H, D] layout, chunks [B, N, C, H, D], the state cumsum over dim 1, F.pad shift."""
+    b, t, h, _ = q.shape
+    qc, kc, vc = (x.view(b, -1, C, h, x.shape[-1]) for x in (q, k, v))
+    G = g.cumsum(1).view(b, -1, C, h)
+    kv = torch.einsum("bnchk,bnch,bnchv->bnhkv", kc, (-G).exp(), vc)
+    state = F.pad(kv.cumsum(1), (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1]
+    D = (G[:, :, :, None] - G[:, :, None]).masked_fill(~causal()[..., None], float("-inf")).exp()
+    intra = torch.einsum("bnihk,bnjhk,bnijh,bnjhv->bnihv", qc, kc, D, vc)
+    inter = torch.einsum("bnihk,bnih,bnhkv->bnihv", qc, G.exp(), state)
+    return (intra + inter).reshape(b, t, h, -1)
+
+
+def retention_terms(q, k, v, log_gamma, cross_decay=True):
+    """A constant decay per head (log_gamma [H]): gamma ** (i - j) within a chunk; keys decayed
+    to the chunk's end, queries from its start; across chunks the cumsum of kv_m gamma^(-C m),
+    rescaled by gamma^(C (n - 1)) (left out with cross_decay=False: a look-alike)."""
+    lg = log_gamma[:, None, None, None]  # [H, 1 (chunk), 1, 1]
+    i = torch.arange(C, dtype=q.dtype)
+    D = torch.exp((i[:, None] - i[None, :]) * lg).masked_fill(~causal(), 0)
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    kv = (kc * torch.exp((C - 1 - i)[:, None] * lg)).transpose(-1, -2) @ vc
+    if cross_decay:
+        n = torch.arange(N, dtype=q.dtype)
+        kv = kv * torch.exp(-C * n[None, :] * log_gamma[:, None])[..., None, None]
+        state = exclusive_cat(kv.cumsum(2)) * torch.exp(C * (n - 1)[None, :] * log_gamma[:, None])[..., None, None]
+    else:
+        state = exclusive_cat(kv.cumsum(2))
+    o = ((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * torch.exp((i + 1)[:, None] * lg)) @ state
+    return o.flatten(2, 3)
+
+
+def retention(q, k, v, log_gamma):
+    return retention_terms(q, k, v, log_gamma)
+
+
+class ChunkwiseRetention(nn.Module):
+    """The same with the log decays in a module buffer computed in __init__ (RetNet's way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("decay", torch.log(1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float))))
+
+    def forward(self, q, k, v):
+        return retention_terms(q, k, v, self.decay)
+
+
+# ---- look-alikes ---------------------------------------------------------------------------------
+def inclusive(q, k, v):
+    """The state entering a chunk includes the chunk: its diagonal counted twice, its future read."""
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    state = (kc.transpose(-1, -2) @ vc).cumsum(2)
+    return ((qc @ kc.transpose(-1, -2)).tril() @ vc + qc @ state).flatten(2, 3)
+
+
+def shifted_by_two(q, k, v):
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    s = (kc.transpose(-1, -2) @ vc).cumsum(2)
+    state = torch.cat([torch.zeros_like(s[:, :, :2]), s[:, :, :-2]], 2)
+    return ((qc @ kc.transpose(-1, -2)).tril() @ vc + qc @ state).flatten(2, 3)
+
+
+def no_cross_decay(q, k, v, log_gamma):
+    return retention_terms(q, k, v, log_gamma, cross_decay=False)
+
+
+def _inputs(gate=None):
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(B, H, T, K, generator=gen), torch.randn(B, H, T, K, generator=gen)
+    v = torch.randn(B, H, T, V, generator=gen)
+    if gate == "scalar":
+        return [q, k, v, F.logsigmoid(torch.randn(B, H, T, generator=gen) + 2)]
+    if gate == "vector":
+        return [q, k, v, F.logsigmoid(torch.randn(B, H, T, K, generator=gen) + 2)]
+    if gate == "constant":
+        return [q, k, v, torch.log(1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float)))]
+    if gate == "time_major":
+        return [x.transpose(1, 2).contiguous() for x in (q, k, v)] + [
+            F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2)]
+    return [q, k, v]
+
+
+def _naive(q, k, v, g=None, gate=None):
+    """The float64 time loop of GLA on head-first inputs, to check the programs themselves."""
+    q, k, v = q.double(), k.double(), v.double()
+    S = q.new_zeros(B, H, K, V)
+    out = []
+    for t in range(T):
+        if gate == "scalar":
+            S = S * g[:, :, t].double().exp()[..., None, None]
+        elif gate == "vector":
+            S = S * g[:, :, t].double().exp()[..., None]
+        elif gate == "constant":
+            S = S * g.double().exp()[:, None, None]
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        out.append((q[:, :, t, :, None] * S).sum(-2))
+    return torch.stack(out, 2)
+
+
+REWRITTEN = [
+    (plain_cat, None, "none"),
+    (plain_minus_self, None, "none"),
+    (plain_pad, None, "none"),
+    (scalar_gate, "scalar", "scalar"),
+    (vector_gate, "vector", "vector"),
+    (time_major_scalar, "time_major", "scalar"),
+    (retention, "constant", "constant"),
+]
+
+
+@pytest.mark.parametrize("fn,inputs,gate", REWRITTEN, ids=[f.__name__ for f, _, _ in REWRITTEN])
+def test_exclusive_cumsum_chunks_are_rewritten(fn, inputs, gate):
+    args = _inputs(inputs)
+    if inputs != "time_major":  # the programs are GLA (up to their scale)
+        want = _naive(*args, gate=inputs)
+        got = fn(*[a.double() for a in args])
+        assert rel_err(got, want * (K**-0.5 if fn is plain_pad else 1.0)) < 1e-6
+    matches = check_rewrite_exact(fn, args, tol=1e-5)
+    assert [(m.form, m.gate) for m in matches] == [("chunked", gate)]
+
+
+def test_buffer_decay_is_read_in_the_graph():
+    """The decay buffer is a graph input: changed after compiling, the same compiled graph
+    computes with the new value."""
+    mod, (q, k, v), results = ChunkwiseRetention(), _inputs(), []
+
+    def backend(gm, example_inputs):
+        results.append(rewrite(gm, example_inputs))
+        return gm.forward
+
+    fast = torch.compile(mod, backend=backend, fullgraph=True)
+    assert rel_err(fast(q, k, v), _naive(q, k, v, mod.decay, gate="constant")) < 1e-5
+    assert [(m.form, m.gate) for r in results for m in r.matches] == [("chunked", "constant")]
+    with torch.no_grad():
+        mod.decay.mul_(0.5)
+    assert rel_err(fast(q, k, v), _naive(q, k, v, mod.decay, gate="constant")) < 1e-5
+    assert len(results) == 1
+
+
+LOOK_ALIKES = [
+    (inclusive, None, "weighs the key at position 1 (chunk 0) by 1, expected 0: a later key of its own chunk"),
+    (shifted_by_two, None, "position 4 (chunk 1) weighs the key at position 0 (chunk 0) by 0, expected 1: "
+                           "chunk 0 does not reach chunk 1"),
+    (no_cross_decay, "constant", "position 8 (chunk 2) weighs the key at position 0 (chunk 0) by 0.5, expected "
+                                 "0.25: the decay carried from chunk 0 to chunk 2 is not GLA's"),
+]
+
+
+@pytest.mark.parametrize("fn,inputs,reason", LOOK_ALIKES, ids=[f.__name__ for f, _, _ in LOOK_ALIKES])
+def test_look_alikes_stay_with_the_weight_that_differs(fn, inputs, reason):
+    args = _inputs(inputs)
+    outs, results = compile_rewritten(fn, args)
+    assert not [m for r in results for m in r.matches]
+    reasons = [n.reason for r in results for n in r.near_misses if n.form == "chunked"]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    assert rel_err(outs[0], fn(*[a.double() for a in args])) < 1e-5
