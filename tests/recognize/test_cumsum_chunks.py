@@ -125,6 +125,25 @@ class ChunkwiseRetention(nn.Module):
         return retention_terms(q, k, v, self.decay)
 
 
+def plain_states(q, k, v, h0):
+    """An initial state added to every chunk's, the final state out: h0 plus all chunks."""
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    inclusive = (kc.transpose(-1, -2) @ vc).cumsum(2)
+    state = h0[:, :, None] + exclusive_cat(inclusive)
+    o = (qc @ kc.transpose(-1, -2)).tril() @ vc + qc @ state
+    return o.flatten(2, 3), h0 + inclusive[:, :, -1]
+
+
+def scalar_gate_states(q, k, v, g, h0):
+    G = chunks(g.cumsum(-1)[..., None])
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    inclusive = ((kc * (-G).exp()).transpose(-1, -2) @ vc).cumsum(2)
+    state = h0[:, :, None] + exclusive_cat(inclusive)
+    D = (G - G.transpose(-1, -2)).masked_fill(~causal(), float("-inf")).exp()
+    o = ((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * G.exp()) @ state
+    return o.flatten(2, 3), (h0 + inclusive[:, :, -1]) * G[:, :, -1, -1].exp()[..., None]
+
+
 # ---- look-alikes ---------------------------------------------------------------------------------
 def inclusive(q, k, v):
     """The state entering a chunk includes the chunk: its diagonal counted twice, its future read."""
@@ -197,6 +216,15 @@ def test_exclusive_cumsum_chunks_are_rewritten(fn, inputs, gate):
         assert rel_err(got, want * (K**-0.5 if fn is plain_pad else 1.0)) < 1e-6
     matches = check_rewrite_exact(fn, args, tol=1e-5)
     assert [(m.form, m.gate) for m in matches] == [("chunked", gate)]
+
+
+@pytest.mark.parametrize("fn,inputs,gate", [(plain_states, None, "none"), (scalar_gate_states, "scalar", "scalar")],
+                         ids=["plain", "scalar_gate"])
+def test_initial_and_final_states(fn, inputs, gate):
+    """Both outputs (and the gradient of h0) equal float64 eager: the final state is the op's."""
+    args = _inputs(inputs) + [torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(1))]
+    matches = check_rewrite_exact(fn, args, tol=1e-5)
+    assert [(m.form, m.gate, m.options["initial_state"]) for m in matches] == [("chunked", gate, True)]
 
 
 def test_buffer_decay_is_read_in_the_graph():

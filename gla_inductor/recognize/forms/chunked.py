@@ -20,12 +20,15 @@ is run in float64 against the exact replacement the rewrite would insert
 
 from __future__ import annotations
 
+import itertools
+
 import torch.fx as fx
 
-from ..core.algebra import AV, Factor, comps
+from ..core.algebra import AV, Factor, comps, factor_vars, mono_vars, out_vars
 from ..core.analyzer import Analyzer
 from ..core.emit import LFactor
 from ..core.match import Match, NearMiss, Reject
+from ..core.op_names import op_name
 from ..certify.certificate import CertificateTooLarge
 from ..certify.spec import Spec
 from . import chunk_loop, parallel
@@ -38,6 +41,7 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
     matches, near = [], []
     if not may_hold_chunks(an.graph):
         return matches, near
+    near += _normalized_scores(an)
     found = seeds(an)
     loops = chunk_loop.find(an, found)
     in_loops = {e for asm, _ in loops for e in asm.elements}
@@ -57,6 +61,45 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         except Reject as e:
             near.append(NearMiss("chunked", str(e), [out]))
     return matches, near
+
+
+NORMALIZED = ("the intra-chunk scores q k^T D are divided by a value computed from them before the product "
+              "with v (a data-dependent normalization, as torchscale's qk / |qk|.sum(-1).clamp(min=1)), not GLA")
+
+
+def _normalized_scores(an: Analyzer) -> list:
+    """Near misses for chunked code that normalizes its intra-chunk scores by the data: a
+    quotient, read by a matrix product, of a q k^T product within chunks by a value computed
+    from it. (Its quotient is opaque to the normal form, so no intra-chunk monomial is seen.)"""
+    found = []
+    for n in an.nodes:
+        if op_name(n) != "div" or len(n.args) < 2 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
+            continue
+        scores, norm = n.args[:2]
+        av = an.value(scores)
+        if av is None or len(av.terms) != 1 or not _scores_within_chunks(av):
+            continue
+        if any(op_name(u) in ("matmul", "bmm", "einsum") for u in n.users) and parallel.depends_on(an, norm, {scores}):
+            found.append(NearMiss("chunked", NORMALIZED, [n]))
+    return found
+
+
+def _scores_within_chunks(av: AV) -> bool:
+    """Two inputs contracted over a feature axis, at two positions of one chunk: q k^T per chunk."""
+    ov = out_vars(av.out)
+    term = av.terms[0]
+    summed = mono_vars(term) - ov
+    atoms = [f for f in term[1] if f.kind == "atom"]
+
+    def chunked(f):
+        return {cs[0]: cs[1] for cs in map(comps, f.idx) if len(cs) == 2}
+
+    for a, b in itertools.combinations(atoms, 2):
+        ca, cb = chunked(a), chunked(b)
+        if (factor_vars(a) & factor_vars(b) & summed
+                and any(ca[c] != cb[c] and {ca[c], cb[c]} <= ov for c in ca.keys() & cb.keys())):
+            return True
+    return False
 
 
 def _inner(found: dict) -> set:
