@@ -173,6 +173,21 @@ def check_prefill(model, results: list) -> None:
     assert counters["gla_inductor"]["rewrites"] == 0
 
 
+def test_no_configuration_turns_the_normalization_off(torchscale):
+    """The premise of this module, read off the installed code: every retention mode normalizes,
+    unconditionally (no branch on the configuration around it)."""
+    import inspect
+
+    from torchscale.component.multiscale_retention import MultiScaleRetention
+
+    parallel = inspect.getsource(MultiScaleRetention.parallel_forward)
+    chunkwise = inspect.getsource(MultiScaleRetention.chunk_recurrent_forward)
+    recurrent = inspect.getsource(MultiScaleRetention.recurrent_forward)
+    assert ".abs().clamp(min=1)" in parallel and "torch.maximum(inner_scale, cross_scale)" in chunkwise
+    assert "scale.sqrt()" in recurrent
+    assert not any("self.args" in src or "if " in src for src in (parallel, chunkwise))
+
+
 # ---- parallel -------------------------------------------------------------------------------------
 def test_parallel_retention_is_left_alone_and_exact(torchscale):
     check_prefill(retnet(torchscale), [])

@@ -114,6 +114,16 @@ def retention(q, k, v, log_gamma):
     return retention_terms(q, k, v, log_gamma)
 
 
+def retention_numbers(q, k, v, gamma=0.8):
+    """The decay as Python numbers (gamma ** distance): read off one probe run, then certified."""
+    i, n = torch.arange(C, dtype=q.dtype), torch.arange(N, dtype=q.dtype)
+    D = gamma ** (i[:, None] - i[None, :]).clamp(min=0) * causal()
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    kv = (kc * (gamma ** (C - 1 - i))[:, None]).transpose(-1, -2) @ vc
+    state = exclusive_cat((kv * (gamma ** (-C * n))[:, None, None]).cumsum(2)) * (gamma ** (C * (n - 1)))[:, None, None]
+    return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * (gamma ** (i + 1))[:, None]) @ state).flatten(2, 3)
+
+
 class ChunkwiseRetention(nn.Module):
     """The same with the log decays in a module buffer computed in __init__ (RetNet's way)."""
 
@@ -216,6 +226,14 @@ def test_exclusive_cumsum_chunks_are_rewritten(fn, inputs, gate):
         assert rel_err(got, want * (K**-0.5 if fn is plain_pad else 1.0)) < 1e-6
     matches = check_rewrite_exact(fn, args, tol=1e-5)
     assert [(m.form, m.gate) for m in matches] == [("chunked", gate)]
+
+
+def test_decay_from_python_numbers():
+    args = _inputs()
+    want = _naive(*args, torch.full((H,), 0.8).log(), gate="constant")
+    assert rel_err(retention_numbers(*[a.double() for a in args]), want) < 1e-6
+    matches = check_rewrite_exact(retention_numbers, args, tol=1e-5)
+    assert [(m.form, m.gate) for m in matches] == [("chunked", "constant")]
 
 
 @pytest.mark.parametrize("fn,inputs,gate", [(plain_states, None, "none"), (scalar_gate_states, "scalar", "scalar")],
