@@ -124,6 +124,24 @@ def retention_numbers(q, k, v, gamma=0.8):
     return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * (gamma ** (i + 1))[:, None]) @ state).flatten(2, 3)
 
 
+def padded(q, k, v):
+    """T not a multiple of the chunk: time padded with zeros, the output sliced back."""
+    t = q.shape[2]
+    q, k, v = (F.pad(x, (0, 0, 0, -t % C)) for x in (q, k, v))
+    return plain_cat(q, k, v)[:, :, :t]
+
+
+def heads_flattened(q, k, v):
+    """[B * H, T, D]; the exclusive sum as a slice of the inclusive one after a zero chunk."""
+    bh = q.shape[0]
+    qc, kc, vc = (x.reshape(bh, -1, C, x.shape[-1]) for x in (q, k, v))
+    kv = torch.einsum("znck,zncv->znkv", kc, vc)
+    state = torch.cat([torch.zeros_like(kv[:, :1]), kv.cumsum(1)[:, :-1]], 1)
+    att = torch.einsum("znik,znjk->znij", qc, kc).tril()
+    o = torch.einsum("znij,znjv->zniv", att, vc) + torch.einsum("znik,znkv->zniv", qc, state)
+    return o.reshape(bh, -1, v.shape[-1])
+
+
 class ChunkwiseRetention(nn.Module):
     """The same with the log decays in a module buffer computed in __init__ (RetNet's way)."""
 
@@ -169,6 +187,15 @@ def shifted_by_two(q, k, v):
     return ((qc @ kc.transpose(-1, -2)).tril() @ vc + qc @ state).flatten(2, 3)
 
 
+def chunk_local_decays(q, k, v, g):
+    """Log decays summed within each chunk only: nothing decays the state between chunks."""
+    G = chunks(g[..., None]).cumsum(3)
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    state = exclusive_cat(((kc * (G[:, :, :, -1:] - G).exp()).transpose(-1, -2) @ vc).cumsum(2))
+    D = (G - G.transpose(-1, -2)).masked_fill(~causal(), float("-inf")).exp()
+    return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * G.exp()) @ state).flatten(2, 3)
+
+
 def no_cross_decay(q, k, v, log_gamma):
     return retention_terms(q, k, v, log_gamma, cross_decay=False)
 
@@ -194,7 +221,7 @@ def _naive(q, k, v, g=None, gate=None):
     q, k, v = q.double(), k.double(), v.double()
     S = q.new_zeros(B, H, K, V)
     out = []
-    for t in range(T):
+    for t in range(q.shape[2]):
         if gate == "scalar":
             S = S * g[:, :, t].double().exp()[..., None, None]
         elif gate == "vector":
@@ -226,6 +253,16 @@ def test_exclusive_cumsum_chunks_are_rewritten(fn, inputs, gate):
         assert rel_err(got, want * (K**-0.5 if fn is plain_pad else 1.0)) < 1e-6
     matches = check_rewrite_exact(fn, args, tol=1e-5)
     assert [(m.form, m.gate) for m in matches] == [("chunked", gate)]
+
+
+def test_partial_last_chunk_and_flattened_heads():
+    q, k, v = _inputs()
+    short = [x[:, :, :10].contiguous() for x in (q, k, v)]
+    assert rel_err(padded(*[a.double() for a in short]), _naive(*short)) < 1e-6
+    assert [(m.form, m.gate) for m in check_rewrite_exact(padded, short)] == [("chunked", "none")]
+    flat = [x.reshape(B * H, T, -1) for x in (q, k, v)]
+    assert rel_err(heads_flattened(*[a.double() for a in flat]).view(B, H, T, V), _naive(q, k, v)) < 1e-6
+    assert [(m.form, m.gate) for m in check_rewrite_exact(heads_flattened, flat)] == [("chunked", "none")]
 
 
 def test_decay_from_python_numbers():
@@ -267,6 +304,8 @@ LOOK_ALIKES = [
     (inclusive, None, "weighs the key at position 1 (chunk 0) by 1, expected 0: a later key of its own chunk"),
     (shifted_by_two, None, "position 4 (chunk 1) weighs the key at position 0 (chunk 0) by 0, expected 1: "
                            "chunk 0 does not reach chunk 1"),
+    (chunk_local_decays, "scalar", "position 8 (chunk 2) weighs the key at position 0 (chunk 0) by 0.5, "
+                                   "expected 0.25: the decay carried from chunk 0 to chunk 2 is not GLA's"),
     (no_cross_decay, "constant", "position 8 (chunk 2) weighs the key at position 0 (chunk 0) by 0.5, expected "
                                  "0.25: the decay carried from chunk 0 to chunk 2 is not GLA's"),
 ]
