@@ -16,8 +16,9 @@ CPU build of torch (CI, the README's install on a CPU machine) pip resolves PyPI
 0.28.0, whose operators do not register against torch+cpu ("operator torchvision::nms does not
 exist"), and ``import timm`` fails. So the ``test`` extra does not list torchscale: the first
 run of this module installs ``torchscale==0.3.0`` and ``fairscale==0.4.0`` from the registry,
-without dependencies, into a cache folder (``$XDG_CACHE_HOME/gla_inductor/test-packages``), and
-later runs reuse it; an installed torchscale 0.3.0 is used as it is. RetNet imports timm only
+without dependencies, into a cache folder (``$XDG_CACHE_HOME/gla_inductor/test-packages``; only
+those two packages are kept, as fairscale also installs a top-level ``benchmarks``), appended to
+sys.path, and later runs reuse it; an installed torchscale 0.3.0 is used as it is. RetNet imports timm only
 for ``drop_path`` (stochastic depth), which ``drop_path_rate=0`` never calls: where timm cannot
 be imported, its import is answered by a module whose ``drop_path`` raises, for the duration of
 the import only. The module is skipped only when the registry cannot be reached.
@@ -74,6 +75,13 @@ def _install(target: Path) -> None:
         if any(s in out for s in UNREACHABLE):
             pytest.skip(f"torchscale 0.3.0 is not installed and the package registry is unreachable: {out[-300:]}")
         raise RuntimeError(f"pip could not install {' '.join(PACKAGES)}:\n{out[-2000:]}")
+    for entry in tmp.iterdir():  # fairscale also installs top-level `benchmarks`, which would shadow ours
+        if entry.name.startswith(("torchscale", "fairscale")):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
     try:
         tmp.rename(target)
     except OSError:  # another process finished first
@@ -121,7 +129,7 @@ def torchscale():
         target = _cache_dir()
         _install(target)
         if str(target) not in sys.path:
-            sys.path.insert(0, str(target))
+            sys.path.append(str(target))  # last: nothing there may shadow a module found elsewhere
         importlib.invalidate_caches()
         version = importlib.metadata.version("torchscale")
     if version != "0.3.0":
