@@ -200,6 +200,25 @@ def no_cross_decay(q, k, v, log_gamma):
     return retention_terms(q, k, v, log_gamma, cross_decay=False)
 
 
+class PowerRetention(nn.Module):
+    """The decays as powers of a gamma buffer (gamma ** n): pow of a tensor is opaque to the normal
+    form, so no intra-chunk term is found. Left alone, but not silently."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gamma", 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float)))
+
+    def forward(self, q, k, v):
+        g = self.gamma[:, None, None, None]
+        i, n = torch.arange(C, dtype=q.dtype), torch.arange(N, dtype=q.dtype)
+        D = (g ** (i[:, None] - i[None, :])).masked_fill(~causal(), 0)
+        qc, kc, vc = chunks(q), chunks(k), chunks(v)
+        kv = (kc * g ** (C - 1 - i)[:, None]).transpose(-1, -2) @ vc
+        gn = g ** (C * n)[:, None, None]
+        state = exclusive_cat((kv / gn).cumsum(2)) * gn / g**C
+        return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * g ** (i + 1)[:, None]) @ state).flatten(2, 3)
+
+
 def _inputs(gate=None):
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(B, H, T, K, generator=gen), torch.randn(B, H, T, K, generator=gen)
@@ -319,3 +338,13 @@ def test_look_alikes_stay_with_the_weight_that_differs(fn, inputs, reason):
     reasons = [n.reason for r in results for n in r.near_misses if n.form == "chunked"]
     assert len(reasons) == 1 and reason in reasons[0], reasons
     assert rel_err(outs[0], fn(*[a.double() for a in args])) < 1e-5
+
+
+def test_an_opaque_decay_is_reported():
+    mod, args = PowerRetention(), _inputs()
+    assert rel_err(mod(*[a.double() for a in args]), _naive(*args, mod.gamma.log(), gate="constant")) < 1e-6
+    outs, results = compile_rewritten(mod, args)
+    assert not [m for r in results for m in r.matches]
+    reasons = [n.reason for r in results for n in r.near_misses if n.form == "chunked"]
+    assert len(reasons) == 1 and "a chunk state is a cumulative sum over chunks" in reasons[0], reasons
+    assert "gamma ** n" in reasons[0] and rel_err(outs[0], mod(*args)) < 1e-6

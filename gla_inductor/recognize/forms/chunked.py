@@ -33,7 +33,7 @@ from ..certify.certificate import CertificateTooLarge
 from ..certify.spec import Spec
 from . import chunk_loop, parallel
 from .chunk_candidate import complete, match_of, readings
-from .cumsum_chunks import diagnose
+from .cumsum_chunks import diagnose, unread_states
 from .intra_chunk import Roles, may_hold_chunks, role_sizes, seeds
 
 
@@ -60,6 +60,8 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             matches.append(_analyze(an, out, term, roles))
         except Reject as e:
             near.append(NearMiss("chunked", str(e), [out]))
+    if not matches and not near:
+        near += unread_states(an)
     return matches, near
 
 

@@ -23,6 +23,7 @@ float64 certificate decides. Two things are specific to this family:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from typing import Optional
@@ -34,7 +35,9 @@ from ..certify.certificate import CertificateTooLarge, Float64Interpreter, one_t
 from ..certify.probe import _unlift, fitted_gamma
 from ..certify.spec import Spec
 from ..certify.subgraph import evaluate_consts, subgraph
+from ..core.algebra import comps, mono_vars, out_vars
 from ..core.analyzer import Analyzer
+from ..core.match import NearMiss
 from ..core.op_names import VIEW_OPS, op_name
 
 PROBE_CHUNK_DECAY = 0.5  # the decay over one chunk the gate is held at while diagnosing
@@ -50,6 +53,49 @@ def cumulative(n: fx.Node) -> bool:
     if n.op == "call_method":
         return n.target == "cumsum"
     return n.op == "call_function" and n.target is torch.cumsum
+
+
+def unread_states(an: Analyzer) -> list:
+    """Near misses for chunk states that are cumulative sums of k^T v per chunk where no
+    intra-chunk term was found to go with them (a factor of that term is opaque to the normal
+    form): discovery saw the candidate, so the report says why it stopped."""
+    near = []
+    for n in an.nodes:
+        if not cumulative(n) or op_name(n) in VIEW_OPS or not n.all_input_nodes:
+            continue
+        if _sums_products(an, n.all_input_nodes[0]):
+            near.append(NearMiss("chunked", UNREAD, [n]))
+    return near
+
+
+def _sums_products(an: Analyzer, x: fx.Node, depth: int = 3) -> bool:
+    """x is k^T v per chunk, or is computed from it within `depth` ops (scaled by decays)."""
+    av = an.value(x)
+    if av is not None and any(_per_chunk_product(av, term) for term in av.terms):
+        return True
+    return depth > 0 and any(_sums_products(an, y, depth - 1) for y in x.all_input_nodes)
+
+
+UNREAD = ("a chunk state is a cumulative sum over chunks of k^T v per chunk, but no output was found that reads "
+          "q, k and v under a decay or mask: expected an intra-chunk term q k^T D v whose decay D is built "
+          "from exp, masks and constants; found none (a decay written as a power of a tensor, gamma ** n, or "
+          "with another op the recognizer does not expand, is opaque to it)")
+
+
+def _per_chunk_product(av, term) -> bool:
+    """Two inputs contracted over the positions of a chunk, the chunk axis kept: k^T v per chunk."""
+    ov = out_vars(av.out)
+    summed = mono_vars(term) - ov
+    atoms = [f for f in term[1] if f.kind == "atom"]
+
+    def chunked(f):
+        return {cs[1]: cs[0] for cs in map(comps, f.idx) if len(cs) == 2}
+
+    for a, b in itertools.combinations(atoms, 2):
+        pa, pb = chunked(a), chunked(b)
+        if any(p in summed and pa[p] == pb[p] and pa[p] in ov for p in pa.keys() & pb.keys()):
+            return True
+    return False
 
 
 def diagnose(an: Analyzer, readings, chunk: int) -> Optional[str]:
