@@ -20,6 +20,7 @@ from ..core.analyzer import Analyzer
 from ..core.consts import example_value, is_inplace, written_args
 from ..core.emit import Emitter, LFactor
 from ..core.match import Match, Reject
+from .cumsum_chunks import cumulative
 from .grouped_heads import shared_qk
 
 MAX_CANDIDATES = 8  # letterings tried per input: more means the shapes are too ambiguous
@@ -28,9 +29,28 @@ FINAL_STATE_REACH = 64  # nodes searched past the last one computed from the sub
 
 def complete(an: Analyzer, base: Spec) -> Spec:
     """The gate, initial state and final state: the first reading that certifies."""
+    tried, too_large = 0, None
+    for spec in readings(an, base):
+        spec = fitted_gamma(an, spec) if spec.gate == "fit" else spec
+        if spec is None:
+            continue
+        tried += 1
+        if tried > MAX_CANDIDATES:
+            raise too_large or Reject("too many ways to read the gate and states by shape")
+        try:
+            if certify(an, spec):
+                return spec
+        except CertificateTooLarge as e:
+            too_large = first_too_large(too_large, e)
+    raise too_large or Reject("no reading of the chunked computation as GLA was certified")
+
+
+def readings(an: Analyzer, base: Spec):
+    """Specs with a gate, initial state and final state whose inputs explain all the data the
+    computation reads, in the order they are tried (uncertified; a constant gate to fit is
+    left as gate "fit")."""
     core = {base.q.node, base.k.node, base.v.node}
     nodes, frontier, _ = subgraph(an, base.outputs(), core)
-    tried, too_large = 0, None
     for gate in _gate_options(an, base, nodes | frontier):
         cut = core | ({gate.g.node} if gate.g is not None else set())
         nodes, frontier, consts = subgraph(an, [base.out], cut)
@@ -39,26 +59,15 @@ def complete(an: Analyzer, base: Spec) -> Spec:
                 continue  # data the computation reads is left unexplained
             leaves = cut | ({h0} if h0 is not None else set())
             for final, final_groups in _final_options(an, base, nodes, leaves):
-                spec = replace(gate, h0=h0, h0_groups=h0_groups, final=final, final_groups=final_groups)
-                spec = fitted_gamma(an, spec) if spec.gate == "fit" else spec
-                if spec is None:
-                    continue
-                tried += 1
-                if tried > MAX_CANDIDATES:
-                    raise too_large or Reject("too many ways to read the gate and states by shape")
-                try:
-                    if certify(an, spec):
-                        return spec
-                except CertificateTooLarge as e:
-                    too_large = first_too_large(too_large, e)
-    raise too_large or Reject("no reading of the chunked computation as GLA was certified")
+                yield replace(gate, h0=h0, h0_groups=h0_groups, final=final, final_groups=final_groups)
 
 
 def _gate_options(an: Analyzer, base: Spec, nodes: set):
     """Specs with a gate: none; each slice node shaped like a log gate (or, for a constant
     gate, like a decay per head); last, a constant decay read off the code itself."""
     yield base
-    cands = sorted(nodes, key=lambda n: -an.order[n])  # nearest the output first
+    # nearest the output first; cumulative log decays (a gate's cumsum) after every gate-shaped node
+    cands = sorted(nodes, key=lambda n: (cumulative(n), -an.order[n]))
     for n in cands:
         val = example_value(n)
         if not isinstance(val, torch.Tensor) or an.consts.is_const(n) or not val.is_floating_point():

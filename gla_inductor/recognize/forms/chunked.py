@@ -20,15 +20,20 @@ is run in float64 against the exact replacement the rewrite would insert
 
 from __future__ import annotations
 
+import itertools
+
 import torch.fx as fx
 
-from ..core.algebra import AV, Factor, comps
+from ..core.algebra import AV, Factor, comps, factor_vars, mono_vars, out_vars
 from ..core.analyzer import Analyzer
 from ..core.emit import LFactor
 from ..core.match import Match, NearMiss, Reject
+from ..core.op_names import op_name
+from ..certify.certificate import CertificateTooLarge
 from ..certify.spec import Spec
 from . import chunk_loop, parallel
-from .chunk_candidate import complete, match_of
+from .chunk_candidate import complete, match_of, readings
+from .cumsum_chunks import diagnose, unread_states
 from .intra_chunk import Roles, may_hold_chunks, role_sizes, seeds
 
 
@@ -36,6 +41,7 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
     matches, near = [], []
     if not may_hold_chunks(an.graph):
         return matches, near
+    near += _normalized_scores(an)
     found = seeds(an)
     loops = chunk_loop.find(an, found)
     in_loops = {e for asm, _ in loops for e in asm.elements}
@@ -44,8 +50,9 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             matches.append(chunk_loop.analyze(an, asm, [(e, *found[e]) for e in elems]))
         except Reject as e:
             near.append(NearMiss("chunked", str(e), [asm.result]))
+    inner = _inner(found)
     for out, (term, roles) in found.items():
-        if out in in_loops or len(an.value(out).terms) < 2:
+        if out in in_loops or out in inner or len(an.value(out).terms) < 2:
             continue  # one chunk alone, without a state read, is a parallel form
         if roles.c is None and parallel.proven(an, out):
             continue  # one chunk with a state read that the parallel form proves, at any size
@@ -53,7 +60,58 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             matches.append(_analyze(an, out, term, roles))
         except Reject as e:
             near.append(NearMiss("chunked", str(e), [out]))
+    if not matches and not near:
+        near += unread_states(an)
     return matches, near
+
+
+NORMALIZED = ("the intra-chunk scores q k^T D are divided by a value computed from them before the product "
+              "with v (a data-dependent normalization, as torchscale's qk / |qk|.sum(-1).clamp(min=1)), not GLA")
+
+
+def _normalized_scores(an: Analyzer) -> list:
+    """Near misses for chunked code that normalizes its intra-chunk scores by the data: a
+    quotient, read by a matrix product, of a q k^T product within chunks by a value computed
+    from it. (Its quotient is opaque to the normal form, so no intra-chunk monomial is seen.)"""
+    found = []
+    for n in an.nodes:
+        if op_name(n) != "div" or len(n.args) < 2 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
+            continue
+        scores, norm = n.args[:2]
+        av = an.value(scores)
+        if av is None or len(av.terms) != 1 or not _scores_within_chunks(av):
+            continue
+        if any(op_name(u) in ("matmul", "bmm", "einsum") for u in n.users) and parallel.depends_on(an, norm, {scores}):
+            found.append(NearMiss("chunked", NORMALIZED, [n]))
+    return found
+
+
+def _scores_within_chunks(av: AV) -> bool:
+    """Two inputs contracted over a feature axis, at two positions of one chunk: q k^T per chunk."""
+    ov = out_vars(av.out)
+    term = av.terms[0]
+    summed = mono_vars(term) - ov
+    atoms = [f for f in term[1] if f.kind == "atom"]
+
+    def chunked(f):
+        return {cs[0]: cs[1] for cs in map(comps, f.idx) if len(cs) == 2}
+
+    for a, b in itertools.combinations(atoms, 2):
+        ca, cb = chunked(a), chunked(b)
+        if (factor_vars(a) & factor_vars(b) & summed
+                and any(ca[c] != cb[c] and {ca[c], cb[c]} <= ov for c in ca.keys() & cb.keys())):
+            return True
+    return False
+
+
+def _inner(found: dict) -> set:
+    """Seeds whose value a user scales or shifts into another seed of the same q, k, v (the
+    chunked output, then times a scale): only the outermost is the candidate."""
+    def inputs(r: Roles):
+        return r.q.atom.node, r.k.atom.node, r.v.atom.node
+
+    return {n for n, (_, r) in found.items()
+            if any(u in found and inputs(found[u][1]) == inputs(r) for u in n.users)}
 
 
 def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
@@ -66,7 +124,15 @@ def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
     if scalars:
         raise Reject("the chunked form scales by a number computed in the graph")
     base = Spec(q, k, v, None, "none", None, [], out, out_groups, None, [], term[0], sizes)
-    spec = complete(an, base)
+    try:
+        spec = complete(an, base)
+    except CertificateTooLarge:
+        raise
+    except Reject as e:
+        why = diagnose(an, readings(an, base), an.sizes[r.i]) if r.c is not None else None
+        if why is None:
+            raise
+        raise Reject(f"{e}: {why}") from e
     return match_of(an, spec)
 
 
