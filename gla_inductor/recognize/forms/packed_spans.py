@@ -132,8 +132,15 @@ def read_span(op: fx.Node):
 
 # ---- which spans agree ---------------------------------------------------------------------
 def _compatible(spans: list) -> tuple[list, list]:
-    """(the spans that agree with the longest one, [(span, why) for the others])."""
-    ref = max(spans, key=lambda sp: sp.length)
+    """(the spans that agree with the longest one whose gate reads its own steps, [(span, why)
+    for the others])."""
+    axes = _gate_time_axes(spans)
+    for sp in spans:
+        if axes and _gate_counts_once(sp):
+            sp.exprs["g"] = _second_step_gate(sp.exprs["g"], axes)
+    ref = max(spans, key=lambda sp: (_gate_mismatch(sp, sp) is None, sp.length))
+    if _gate_mismatch(ref, ref) is not None:
+        return [], [(ref, "no span's gate is read at its own steps")]
     kept, why = [], []
     for sp in spans:
         reason = None if sp is ref else _disagreement(sp, ref)
@@ -141,8 +148,6 @@ def _compatible(spans: list) -> tuple[list, list]:
             kept.append(sp)
         else:
             why.append((sp, f"a span at [{sp.start}, {sp.stop}) is not merged with the others: {reason}"))
-    if _gate_mismatch(ref, ref) is not None:
-        return [], [(ref, "the longest span's gate is not read at its own steps")]
     return kept, why
 
 
@@ -173,42 +178,73 @@ def _value_kind(node) -> tuple:
     return tuple(val.shape), val.dtype
 
 
+def _zero_start(sp: Span) -> bool:
+    """Whether the span starts from a zero state, forward: its first gate multiplies zeros."""
+    return sp.call.initial_state is None and not sp.call.reverse
+
+
+def _gate_counts_once(sp: Span) -> bool:
+    """A 2-step span from zeros: only its second gate counts."""
+    return _zero_start(sp) and sp.length == 2 and sp.exprs.get("g") is not None
+
+
 def _gate_mismatch(sp: Span, ref: Span):
     """Why span `sp`'s gate is not the merged gate (ref's, read at sp's steps) where it counts."""
     g, g_ref = sp.exprs.get("g"), ref.exprs.get("g")
-    zero_state = sp.call.initial_state is None and not sp.call.reverse
-    if zero_state and sp.length == 1:
+    if _zero_start(sp) and sp.length == 1:
         return None  # its one gate multiplies a zero state
     if (g is None) != (g_ref is None):
         return "a gate where the others have none, or none where they have one"
     if g is None:
         return None
-    if zero_state and sp.length == 2 and sv.key(g) != sv.key(g_ref):
-        g = _second_step_gate(g, g_ref)
     if sv.key(g) != sv.key(g_ref):
         return "its gate is not the same slice of the same tensor"
-    if any(off != sp.start for _, _, off in sv.time_reads(g)):
+    reads = sv.time_reads(g)
+    if not reads or any(off != sp.start for _, _, off in reads):
         return "its gate is read at other steps than its q, k and v"
     return None
 
 
-def _second_step_gate(g, g_ref):
-    """A 2-step span's gate that is one step's gate broadcast over both, as the span's gate
-    read from the step before that one: equal to it at the second step, the one that counts."""
-    if isinstance(g, Leaf) and isinstance(g_ref, Leaf):
-        if g.base is not g_ref.base or any(e[0] == "o" and e[1] == 1 for e in g.entries):
+def _gate_time_axes(spans: list):
+    """{base: its time axis} of the gate's tensors: where a span's gate reads its own steps, or
+    else the one axis at which every 2-step span's gate reads its second step."""
+    for sp in spans:
+        g = sp.exprs.get("g")
+        reads = sv.time_reads(g) if g is not None else []
+        if reads and all(off == sp.start for _, _, off in reads):
+            return {base: axis for base, axis, _ in reads}
+    pairs = [sp for sp in spans if _gate_counts_once(sp)]
+    if not pairs:
+        return None
+    axes = {}
+    for i, lf in enumerate(sv.leaves(pairs[0].exprs["g"])):
+        found = [a for a, e in enumerate(lf.entries) if e[0] == "c" and all(
+            _entry(sp, i, a) == ("c", sp.start + 1) for sp in pairs)]
+        if len(found) == 1:
+            axes[lf.base] = found[0]
+    return axes
+
+
+def _entry(sp: Span, leaf: int, axis: int):
+    leaves = sv.leaves(sp.exprs["g"])
+    return leaves[leaf].entries[axis] if leaf < len(leaves) and axis < len(leaves[leaf].entries) else None
+
+
+def _second_step_gate(g, axes: dict):
+    """A 2-step span's gate that is one step's gate broadcast over both (at index c of its time
+    axis), as the gate read from step c - 1 on: equal to it at the second step, the one that
+    counts."""
+    if isinstance(g, Leaf):
+        a = axes.get(g.base)
+        if a is None or a >= len(g.entries) or g.entries[a][0] != "c" or \
+                any(e[0] == "o" and e[1] == 1 for e in g.entries):
             return g
-        entries = []
-        for e, r in zip(g.entries, g_ref.entries):
-            if e[0] == "c" and r[0] == "o" and r[1] == 1:
-                e = ("o", 1, e[1] - 1)
-            entries.append(e)
+        entries = list(g.entries)
+        entries[a] = ("o", 1, g.entries[a][1] - 1)
         return Leaf(g.base, tuple(entries), g.shape)
-    if isinstance(g, sv.Point) and isinstance(g_ref, sv.Point) and len(g.args) == len(g_ref.args):
-        args = tuple(_second_step_gate(a, r) if isinstance(a, (Leaf, sv.Point)) else a
-                     for a, r in zip(g.args, g_ref.args))
-        return sv.Point(g.node, args, g.kwargs, g.shape[:1] + (2,) + g.shape[2:])
-    return g
+    args = tuple(_second_step_gate(x, axes) if isinstance(x, (Leaf, sv.Point)) else x for x in g.args)
+    kwargs = tuple((k, _second_step_gate(x, axes) if isinstance(x, (Leaf, sv.Point)) else x) for k, x in g.kwargs)
+    return sv.Point(g.node, args, kwargs, g.shape)
 
 
 # ---- whether the group can be one call -----------------------------------------------------
@@ -232,7 +268,9 @@ def _unmergeable(spans: list, graph: fx.Graph):
     if any(order[n] >= anchor for n in needed):
         return "an input of a later span is computed after the first span's call"
     first = min([anchor] + [order[n] for sp in spans for n in sp.visited])
-    keys = {storage_key(n) for n in needed if isinstance(example_value(n), torch.Tensor)}
+    # what the calls read, and every tensor read through to it (a clone written in place later)
+    read = needed + [n for sp in spans for n in sp.visited]
+    keys = {storage_key(n) for n in read if isinstance(example_value(n), torch.Tensor)}
     for n in list(graph.nodes)[first:last]:
         if any(storage_key(t) in keys for t in written_args(n)):
             return f"an input of the spans is written in place ({n.name}) between their calls"

@@ -81,7 +81,10 @@ def trace(node: fx.Node, visited: set | None = None) -> Expr:
         view = _view_of(node)
         if view is not None:
             operand, fn = view
-            return push(trace(operand, visited), fn)
+            try:
+                return push(trace(operand, visited), fn)
+            except NotAView:  # a view of a broadcasting op: of that op's value, as a whole
+                return fn(identity(operand))
         if is_pointwise(node) or node.op == "call_method" and node.target in _VALUE_METHODS or \
                 node.target is torch.clone:
             return _point(node, visited)
