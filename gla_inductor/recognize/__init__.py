@@ -117,7 +117,7 @@ def _rewrite(gm: fx.GraphModule, forms, start: float, unprofitable_reason) -> Re
         result.matches.append(m)
         owner.update(dict.fromkeys(txn.created[mark[0]:], m))
     if "packed" in forms and len(result.matches) > 1:
-        result.near_misses += merge_spans(graph, txn, owner)[1]
+        result.near_misses += merge_spans(graph, txn, owner)
     try:
         graph.lint()
     except Exception:

@@ -41,15 +41,26 @@ def parallel_gla(q, k, v, g):
     return torch.einsum("bijh,bjhv->bihv", A, v) * q.shape[-1] ** -0.5
 
 
-def loop_program(spans, with_h0=False):
-    """Outputs written into a buffer span by span, final states stacked; with_h0: span i starts
-    from the input h0s[i]."""
+def reverse_loop_gla(q, k, v, g):
+    """The time loop run backwards, from zeros."""
+    B, T, _, Kd = q.shape
+    S = q.new_zeros(B, q.shape[2], Kd, v.shape[-1])
+    o = torch.zeros_like(v)
+    for t in reversed(range(T)):
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        o[:, t] = (q[:, t, :, :, None] * S).sum(-2)
+    return o, S
+
+
+def loop_program(spans, h0_spans=(), gla=loop_gla):
+    """Outputs written into a buffer span by span, final states stacked; the spans numbered in
+    h0_spans start from the inputs after g, in that order."""
     def fn(q, k, v, g, *h0s):
         o = torch.zeros_like(v)
         states = []
         for i, (s, e) in enumerate(spans):
-            h = h0s[i] if with_h0 else None
-            o[:, s:e], S = loop_gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], h)
+            h = (h0s[h0_spans.index(i)],) if i in h0_spans else ()
+            o[:, s:e], S = gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], *h)
             states.append(S)
         return o, torch.stack(states, 1)
     return fn
@@ -159,10 +170,11 @@ def test_batched_spans_pack_the_batch_too():
     assert len(calls) == 1 and offsets_of(calls[0]) == packed_offsets(spans, 9, B=3)
 
 
-def test_initial_states_and_final_states_per_span():
+@pytest.mark.parametrize("h0_spans", [(0, 1, 2), (1,)], ids=["all", "middle"])
+def test_initial_states_and_final_states_per_span(h0_spans):
     spans = [(0, 3), (3, 7), (7, 12)]
-    fn = loop_program(spans, with_h0=True)
-    args = inputs(2, 12, N=3)
+    fn = loop_program(spans, h0_spans)
+    args = inputs(2, 12, N=len(h0_spans))
     graphs, _ = check_exact(fn, args)
     calls = chunk_calls(graphs)
     assert len(calls) == 1 and offsets_of(calls[0]) == packed_offsets(spans, 12, B=2)
@@ -170,9 +182,21 @@ def test_initial_states_and_final_states_per_span():
     o, states = outputs(torch.compile(fn, backend=gla_inductor.backend, fullgraph=True)(*args))
     q, k, v, g, *h0s = (a.double() for a in args)
     for i, (s, e) in enumerate(spans):
-        o_ref, ht_ref = naive_recurrent_gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], initial_state=h0s[i],
+        h0 = h0s[h0_spans.index(i)] if i in h0_spans else None
+        o_ref, ht_ref = naive_recurrent_gla(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], initial_state=h0,
                                             output_final_state=True, scale=K ** -0.5)
         assert rel_err(o[:, s:e], o_ref) <= FP32_TOL and rel_err(states[:, i], ht_ref) <= FP32_TOL
+
+
+def test_reverse_spans():
+    """Backward spans pack as a reverse varlen call; a 2-step one, whose last gate multiplies
+    zeros, is read by the loop form with its first gate for both steps and stays its own call."""
+    spans = [(0, 3), (3, 5), (5, 9)]
+    graphs, results = check_exact(loop_program(spans, gla=reverse_loop_gla), inputs(1, 9))
+    calls = chunk_calls(graphs)
+    assert len(calls) == 2 and all(c.args[8] for c in calls)  # reverse
+    assert sorted(map(str, map(offsets_of, calls))) == sorted(map(str, [None, packed_offsets([(0, 3), (5, 9)], 9)]))
+    assert any("[3, 5) is not merged" in r for r in packed_near_misses(results))
 
 
 def test_gaps_keep_the_users_values():

@@ -69,16 +69,16 @@ def chunk_fwd_nodes(graph: fx.Graph) -> list:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is ops.chunk_fwd.default]
 
 
-def merge_spans(graph: fx.Graph, txn: Transaction, owner: dict) -> tuple[list, list]:
-    """Merge every group of span calls in `graph` (see the module's docstring). `owner`: chunk_fwd
-    node -> the Match that emitted it (for the report). Returns (the merged groups as lists of
-    their matches, near misses)."""
+def merge_spans(graph: fx.Graph, txn: Transaction, owner: dict) -> list:
+    """Merge every group of span calls in `graph` (see the module's docstring), through `txn`.
+    `owner`: chunk_fwd node -> the Match that emitted it, whose options then say ``packed``: N.
+    Returns the near misses."""
     groups: dict = {}
     for op in chunk_fwd_nodes(graph):
         span = read_span(op)
         if span is not None:
             groups.setdefault(sv.key(span.exprs["q"]), []).append(span)
-    merged, near = [], []
+    near = []
     for spans in groups.values():
         if len(spans) < 2 or all(sp.length == sp.steps for sp in spans):
             continue  # calls on whole tensors are not spans of anything
@@ -96,11 +96,10 @@ def merge_spans(graph: fx.Graph, txn: Transaction, owner: dict) -> tuple[list, l
             txn.rollback_to(mark)
             near.append(NearMiss(FORM, f"merging the spans failed: {e}", [n for sp in kept for n in _nodes(sp, owner)]))
             continue
-        matches = [owner[sp.op] for sp in kept if sp.op in owner]
-        for m in matches:
-            m.options["packed"] = len(kept)
-        merged.append(matches)
-    return merged, near
+        for sp in kept:
+            if sp.op in owner:
+                owner[sp.op].options["packed"] = len(kept)
+    return near
 
 
 def _nodes(sp: Span, owner: dict) -> list:
@@ -249,7 +248,7 @@ def _second_step_gate(g, axes: dict):
 
 # ---- whether the group can be one call -----------------------------------------------------
 def _unmergeable(spans: list, graph: fx.Graph):
-    spans = sorted(spans, key=lambda sp: sp.start)
+    spans = sorted(spans, key=lambda sp: (sp.start, sp.stop))
     for a, b in zip(spans, spans[1:]):
         if b.start < a.stop:
             return f"the spans [{a.start}, {a.stop}) and [{b.start}, {b.stop}) overlap"
@@ -257,12 +256,12 @@ def _unmergeable(spans: list, graph: fx.Graph):
     anchor = min(order[sp.op] for sp in spans)
     last = max(order[sp.op] for sp in spans)
     ref = max(spans, key=lambda sp: sp.length)
-    needed = [lf.base for e in ref.exprs.values() for lf in sv.leaves(e)]
+    needed = [n for e in ref.exprs.values() for n in sv.nodes_read(e)]
     needed += [x for x in (ref.call.g_gamma, ref.call.gate_a, ref.call.gate_bias) if isinstance(x, fx.Node)]
     for sp in spans:
         if sp.call.initial_state is not None:
             try:
-                needed += [lf.base for lf in sv.leaves(sv.trace(sp.call.initial_state))]
+                needed += sv.nodes_read(sv.trace(sp.call.initial_state))
             except _READ_ERRORS:
                 needed.append(sp.call.initial_state)
     if any(order[n] >= anchor for n in needed):
@@ -285,7 +284,7 @@ def _unmergeable(spans: list, graph: fx.Graph):
 def _sequences(spans: list, steps: int) -> list:
     """(start, stop, span or None) covering [0, steps): the spans, and the gaps between them."""
     seqs, pos = [], 0
-    for sp in sorted(spans, key=lambda sp: sp.start):
+    for sp in sorted(spans, key=lambda sp: (sp.start, sp.stop)):
         if sp.start > pos:
             seqs.append((pos, sp.start, None))
         seqs.append((sp.start, sp.stop, sp))

@@ -322,6 +322,14 @@ def leaves(expr: Expr) -> list:
             for lf in leaves(a)]
 
 
+def nodes_read(expr: Expr) -> list:
+    """The graph nodes the expression reads: its leaves' bases, numbers computed in the graph."""
+    if isinstance(expr, Leaf):
+        return [expr.base]
+    return [n for a in list(expr.args) + [v for _, v in expr.kwargs]
+            for n in (nodes_read(a) if isinstance(a, (Leaf, Point)) else [a] if isinstance(a, fx.Node) else [])]
+
+
 def time_reads(expr: Expr, time_axis: int = 1) -> list:
     """(base, base axis, offset) of every leaf axis that reads the time axis."""
     return [(lf.base, i, e[2]) for lf in leaves(expr) for i, e in enumerate(lf.entries)
