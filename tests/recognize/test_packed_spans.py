@@ -163,6 +163,35 @@ def test_parallel_spans_at_chunk_boundaries(lengths):
     assert offsets_of(calls[0]) == packed_offsets(spans, pos)  # the empty span is a sequence of 0 steps
 
 
+def test_spans_by_split():
+    lengths = [3, 0, 5, 1]
+
+    def fn(q, k, v, g):
+        parts = zip(*(x.split(lengths, 1) for x in (q, k, v, g)))
+        return torch.cat([parallel_gla(*p) for p in parts], 1)
+
+    graphs, _ = check_exact(fn, inputs(2, 9, gate="scalar"))
+    calls = chunk_calls(graphs)
+    assert len(calls) == 1 and offsets_of(calls[0]) == packed_offsets([(0, 3), (3, 3), (3, 8), (8, 9)], 9, B=2)
+
+
+def test_gate_computed_per_span_is_packed_and_fused():
+    """Each span computes its gate from its slice of x; the packed call reads x through the
+    fused logsigmoid / 16 (gate fusion runs after packing), and only o is used."""
+    spans = [(0, 4), (4, 9)]
+
+    def fn(q, k, v, x):
+        o = torch.zeros_like(v)
+        for s, e in spans:
+            o[:, s:e] = loop_gla(q[:, s:e], k[:, s:e], v[:, s:e], F.logsigmoid(x[:, s:e]) / 16)[0]
+        return o
+
+    graphs, _ = check_exact(fn, inputs(1, 9))
+    calls = chunk_calls(graphs)
+    assert len(calls) == 1 and offsets_of(calls[0]) == packed_offsets(spans, 9)
+    assert calls[0].args[9:11] == ("logsigmoid", 1 / 16)
+
+
 def test_batched_spans_pack_the_batch_too():
     spans = [(0, 4), (4, 9)]
     graphs, _ = check_exact(parallel_program(spans), inputs(3, 9, gate="scalar"))

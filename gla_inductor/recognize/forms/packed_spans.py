@@ -346,8 +346,8 @@ def _initial_states(em: Emitter, seqs: list, B: int):
 def _repoint(em: Emitter, sp: Span, out: fx.Node, states, j: int) -> None:
     """Every reader of span `sp`'s output and final state reads them from the merged call."""
     for user in list(sp.op.users):
-        if not user.users:  # left by the emission, erased with the call
-            continue
+        if not user.users or user.args[1] == 1 and states is None:
+            continue  # left by the emission (a state nobody stores), erased with the call
         if user.args[1] == 0:
             new = em.call(operator.getitem, out, (slice(None), slice(sp.start, sp.stop)))
         else:

@@ -134,6 +134,8 @@ def _view_of(node: fx.Node):
     x, rest, kw = args[0], args[1:], node.kwargs
     if name == "getitem" and isinstance(example_value(x), torch.Tensor):
         return x, lambda lf: _getitem(lf, rest[0])
+    if name == "getitem" and isinstance(rest[0], int) and _is_split(x):
+        return _split_part(x, rest[0])
     if name == "select":
         return x, lambda lf: _getitem_axis(lf, _arg(rest, kw, 0, "dim"), _arg(rest, kw, 1, "index"))
     if name == "narrow":
@@ -153,6 +155,25 @@ def _view_of(node: fx.Node):
     if name == "transpose":
         return x, lambda lf: _transpose(lf, _arg(rest, kw, 0, "dim0"), _arg(rest, kw, 1, "dim1"))
     return None
+
+
+def _is_split(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.split or \
+        node.op == "call_method" and node.target == "split"
+
+
+def _split_part(split: fx.Node, i: int):
+    """Part i of ``x.split(sizes, dim)``: x narrowed to that part's steps."""
+    args, kw = split.args[1:], split.kwargs
+    sizes, dim = _arg(args, kw, 0, "split_size_or_sections"), _arg(args, kw, 1, "dim", 0)
+    x = split.args[0]
+    total = static_shape(x)[_int(dim)]
+    if isinstance(sizes, int):
+        sizes = [sizes] * (total // sizes) + ([total % sizes] if total % sizes else [])
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(n, int) for n in sizes) or i >= len(sizes):
+        raise NotAView("a split by computed sizes")
+    start = sum(sizes[:i])
+    return x, lambda lf: _narrow(lf, dim, start, sizes[i])
 
 
 def _arg(rest, kw, i, name, default=...):
