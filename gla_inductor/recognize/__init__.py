@@ -3,6 +3,7 @@
     analyze   core.analyzer.Analyzer     the normal form of every node, memory facts
     recognize forms.*.recognize          each form's proven instances (Match) and near misses
     replace   Match.apply                the GLA op (core.emit), through a core.emit.Transaction
+    pack      forms.packed_spans         calls on spans of the same tensors merged into one
     clean     core.clean                 the nodes the replacement left unused
 
 Analysis only reads the graph. Replacement goes through a `Transaction` that records every
@@ -41,6 +42,7 @@ from .core.clean import dead_code_elimination
 from .core.emit import Transaction
 from .core.match import Match, NearMiss
 from .forms import chunked, decode, loop, parallel
+from .forms.packed_spans import merge_spans
 
 log = logging.getLogger("gla_inductor")
 
@@ -61,7 +63,7 @@ class RewriteResult:
     seconds: float = 0.0
 
 
-def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel"),
+def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel", "packed"),
                   unprofitable_reason: Optional[Callable[[Match], Optional[str]]] = None) -> RewriteResult:
     """Replace every proven GLA instance in `gm` by the GLA op. A match whose replacement
     fails is undone and reported as a near miss; an internal error undoes everything and
@@ -98,6 +100,7 @@ def _rewrite(gm: fx.GraphModule, forms, start: float, unprofitable_reason) -> Re
     # a candidate inside a match (the final state a later form folds in) was not left alone
     result.near_misses = [nm for nm in near_misses if not covered.intersection(nm.nodes)]
     txn = Transaction(graph)
+    owner: dict = {}  # each inserted node -> the match that inserted it
     for m in found:
         why = unprofitable_reason(m) if unprofitable_reason is not None else None
         if why is not None:
@@ -112,6 +115,9 @@ def _rewrite(gm: fx.GraphModule, forms, start: float, unprofitable_reason) -> Re
             result.near_misses.append(NearMiss(m.form, f"replacement failed: {e}", m.nodes))
             continue
         result.matches.append(m)
+        owner.update(dict.fromkeys(txn.created[mark[0]:], m))
+    if "packed" in forms and len(result.matches) > 1:
+        result.near_misses += merge_spans(graph, txn, owner)
     try:
         graph.lint()
     except Exception:
