@@ -33,7 +33,7 @@ from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
 from ..core.op_names import op_name
-from . import periodic, static_decay
+from . import grouped_heads, periodic, static_decay
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
@@ -260,9 +260,7 @@ def _roles(an: Analyzer, av: AV, term, atoms: Optional[list] = None) -> Roles:
     i = i_c[0]
     if kk is not None and kk in factor_vars(v) or i in factor_vars(k) or i in factor_vars(v):
         raise Reject("inputs are indexed by the wrong axes")
-    batch = [x for e in av.out if e not in (i, vv) for x in comps(e)]
-    if len(batch) > 2:
-        raise Reject(f"{len(batch)} batch axes; at most 2 (batch, head) are supported")
+    batch = [x for e in av.out if e not in (i, vv) for x in comps(e)]  # (checked by head_letters)
     return Roles(q, k, v, i, j, kk, vv, batch)
 
 
@@ -317,8 +315,7 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
         raise Reject(_input_decay_reason(an, av, cand.par))
     r = _roles(an, av, cand.par)
     coef, fs = cand.par
-    # one batch axis is read as the heads (B = 1): a constant gate per head then fits it
-    letter = {x: "bh"[n + 2 - len(r.batch)] for n, x in enumerate(r.batch)}
+    letter, heads = grouped_heads.head_letters(r.batch, r.q, r.k)
     letter.update({x: c for x, c in ((r.kk, "k"), (r.vv, "v")) if x is not None})  # (none for size 1)
     data = [r.q, r.k, r.v]
     scalars = [f for f in fs if f.kind == "scalar"]
@@ -336,7 +333,7 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
         raise Reject("an initial-state term beside a decay evaluated from positions and buffers is not read yet")
     h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
     final = _final_state(an, node, r, letter, gate, reverse, T, h0)
-    return _build(an, node, av, r, letter, gate, coef, scalars, h0, final, reverse)
+    return _build(an, node, av, r, letter, heads, gate, coef, scalars, h0, final, reverse)
 
 
 def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tuple:
@@ -599,8 +596,8 @@ def _final_h0(an: Analyzer, m, coef: float, letter: dict, gate: Gate, reverse: b
 
 
 # ---- the replacement ----------------------------------------------------------------------------
-def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float, scalars: list,
-           h0: Optional[LFactor], finals: list, reverse: bool) -> Match:
+def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, heads: "grouped_heads.Heads", gate: Gate,
+           coef: float, scalars: list, h0: Optional[LFactor], finals: list, reverse: bool) -> Match:
     def axis(x, tvar) -> tuple:
         """(letters, sizes) of one axis: several letters where the code merged roles (a [B, T, H * K]
         projection viewed as [B, T, H, K] is read through the view, merged)."""
@@ -619,13 +616,15 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
     q, k, v = lf(r.q, r.i), lf(r.k, r.j), lf(r.v, r.j)
     # one group of letters per output axis: "bh" where the code flattened the heads for bmm
     out_groups = [ls for ls, _ in (axis(x, r.i) for x in av.out)]
-    if any(len(ls) > 1 and not set(ls) <= set("bh") for ls in out_groups):
+    if any(len(ls) > 1 and not set(ls) <= set("bh" + heads.order) for ls in out_groups):
         raise Reject("the output merges role axes other than batch and heads")
     sizes = sizes_from([q, k, v])
     sizes.update({c: 1 for c, x in (("k", r.kk), ("v", r.vv)) if x is None})  # no input has their axes
     if not all(c in sizes for c in "tkv"):
         raise Reject("the sizes of the inputs could not be read")
     shapes = {c.upper(): _shape_of(sizes[c]) for c in "bthkv"}
+    if heads.order:  # the user's heads, of two parts
+        shapes["H"] = math.prod(_shape_of(sizes[c]) for c in heads.order)
     scalar_lfs = [LFactor(f.node, "") for f in scalars]
     anchor = min([node] + [f.node for f in finals], key=an.order.__getitem__)
     deps = [x.node for x in (q, k, v, h0) if x is not None] + [x.node for x in scalar_lfs]
@@ -636,18 +635,18 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
     placement.check_unmodified(an, deps, an.order[anchor])
 
     def apply(txn) -> None:
-        em = Emitter(txn, anchor, sizes)
-        qn = em.lift(Group(1.0, (q, *scalar_lfs)), "bthk")
-        kn = em.lift(Group(1.0, (k,)), "bthk")
+        em = Emitter(txn, anchor, sizes, heads.splits())
+        qn = em.lift(Group(1.0, (q, *scalar_lfs)), heads.qk)
+        kn = em.lift(Group(1.0, (k,)), heads.qk)
         vn = em.lift(Group(1.0, (v,)), "bthv")
         g, g_gamma = _emit_gate(em, gate)
         h0n = em.as_float32(em.lift(Group(1.0, (h0,)), "bhkv")) if h0 is not None else None
         call = GLACall(qn, kn, vn, g, g_gamma, h0n, scale=coef, output_final_state=bool(finals), reverse=reverse)
         op = emit_op(em, call)
         o = em.call(operator.getitem, op, 0)
-        txn.replace_all_uses(node, em.cast_like(em.relayout(o, "bthv", out_groups), node))
+        txn.replace_all_uses(node, em.cast_like(em.relayout(o, heads.op_axes("bthv"), out_groups), node))
         for f in finals:
-            ht = em.relayout(em.call(operator.getitem, op, 1), "bhkv", f.groups)
+            ht = em.relayout(em.call(operator.getitem, op, 1), heads.op_axes("bhkv"), f.groups)
             if f.coef != 1.0:
                 ht = em.call(torch.mul, ht, f.coef)
             txn.replace_all_uses(f.node, em.cast_like(ht, f.node))
