@@ -116,3 +116,49 @@ def test_layout_letters(name, layout):
     torch.compile(sp.fn, backend=capture)(*sp.make(torch.float32))
     assert found == [layout]
 
+
+
+# ---- every candidate discovery finds is in the report ------------------------------------------
+# Programs that read like parallel GLA (q k^T under a decay, contracted with v over time) but are
+# not candidates: each must appear as a near miss whose reason names the fact that failed.
+_B, _H, _T, _K, _V = 2, 2, 7, 4, 5
+
+
+def _decay(g):
+    G = g.cumsum(-1)
+    return (G[..., :, None] - G[..., None, :]).exp().tril()
+
+
+def _diagonal_bonus(q, k, v, g, u):  # RWKV's bonus u on the current token, added to the scores
+    A = q @ k.transpose(-1, -2) * _decay(g)
+    return (A + torch.diag_embed((q * u * k).sum(-1))) @ v
+
+
+def _bias_added(q, k, v, g, u):
+    return (q @ k.transpose(-1, -2) * _decay(g) + u[..., :1]) @ v
+
+
+def _four_inputs(q, k, v, g, u):
+    return (q @ k.transpose(-1, -2) * _decay(g) * (u @ u.transpose(-1, -2))) @ v
+
+
+NOT_CANDIDATES = [
+    (_diagonal_bonus, "the scores q k^T D are summed with 1 other term(s) (diag_embed) before the product "
+                      "with v, expected the scores alone"),
+    (_bias_added, "the scores q k^T D are summed with 1 other term(s) (u) before the product with v"),
+    (_four_inputs, "the attention term multiplies four inputs (k, q, u, u), expected three (q, k, v)"),
+]
+
+
+@pytest.mark.parametrize("fn, reason", NOT_CANDIDATES, ids=[f.__name__ for f, _ in NOT_CANDIDATES])
+def test_every_candidate_is_reported(fn, reason, no_cost_rule):
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen) for s in
+            [(_B, _H, _T, _K), (_B, _H, _T, _K), (_B, _H, _T, _V), (_B, _H, _T), (_B, _H, _T, _K)]]
+    args[3] = torch.nn.functional.logsigmoid(args[3])
+    torch._dynamo.reset()
+    report = gla_inductor.explain(fn, *args)
+    assert report.matches == []
+    near = [n for n in report.near_misses if n.form == "parallel"]
+    assert len(near) == 1 and near[0].reason.startswith(reason), [n.reason for n in near]
+    assert near[0].source, "the near miss points at the user's line"

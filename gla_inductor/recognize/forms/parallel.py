@@ -83,7 +83,65 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             covered.add(n)
         elif not any(u in cands and _within(cands[n], cands[u]) for u in n.users):
             near.append(NearMiss("parallel", str(r), [n]))  # (a part of a larger candidate is not one)
-    return matches, near + _normalized_scores(an)
+    normalized = _normalized_scores(an)
+    return matches, near + normalized + _not_candidates(an, cands, {n for nm in normalized for n in nm.nodes})
+
+
+def _not_candidates(an: Analyzer, cands: dict, reported: set) -> list:
+    """Near misses for the values discovery finds that are no candidate, each with the first fact
+    that failed: an attention term (three or four inputs under a decay, contracted over time), or
+    scores q k^T D summed with other terms and then contracted with v over time (the sum is one
+    input of the product: the analysis does not distribute it). A value computed from a
+    candidate or from such a value is skipped: it is reported once."""
+    found, seen = [], set(cands) | reported
+    for n in an.nodes:
+        av = an.value(n)
+        if n in seen or av is None or av.keep is not None or any(a in seen for a in n.all_input_nodes):
+            continue
+        ov = out_vars(av.out)
+        par = [m for m in av.terms if _is_parallel(an, m, ov)]
+        why = _why_not_candidate(an, av, par) if par else _scores_summed(an, av, ov)
+        if why is not None:
+            seen.add(n)
+            found.append(NearMiss("parallel", why, [n]))
+    return found
+
+
+def _scores_summed(an: Analyzer, av: AV, ov: set) -> Optional[str]:
+    """Why a product of two inputs contracted over one axis, one of them scores q k^T D plus other
+    terms, is not GLA; None where it is no such product."""
+    for m in av.terms:
+        atoms = _data_atoms(an, m[1])
+        if len(atoms) != 2 or len(mono_vars(m) - ov) != 1:
+            continue
+        for f in atoms:
+            sv = an.value(f.atom.node)
+            if sv is None or sv.keep is not None or len(sv.terms) < 2:
+                continue
+            sov = out_vars(sv.out)
+            scores = [t for t in sv.terms if len(_data_atoms(an, t[1])) == 2 and len(t[1]) > 2
+                      and len(mono_vars(t) - sov) == 1]
+            if len(scores) == 1:
+                others = sorted({_input_name(g.atom.node) for t in sv.terms if t is not scores[0]
+                                 for g in t[1] if g.kind == "atom"})
+                return (f"the scores q k^T D are summed with {len(sv.terms) - 1} other term(s) "
+                        f"({', '.join(others) or 'constants'}) before the product with v, expected the scores "
+                        "alone: a bonus on the diagonal (RWKV's u) or an added bias is not GLA")
+    return None
+
+
+def _why_not_candidate(an: Analyzer, av: AV, par: list) -> str:
+    if len(par) > 1:
+        return (f"the output sums {len(par)} attention terms (products of three inputs under a decay, "
+                "contracted over time), expected one: a second attention or a bonus on the diagonal is not GLA")
+    names = sorted(_input_name(f.atom.node) for f in _data_atoms(an, par[0][1]))
+    if len(names) == 4:
+        return (f"the attention term multiplies four inputs ({', '.join(names)}), expected three (q, k, v) "
+                "and a decay computed from positions, constants, gates or module buffers")
+    rest = [m for m in av.terms if m is not par[0]]
+    others = sorted({_input_name(f.atom.node) for m in rest for f in m[1] if f.kind == "atom"})
+    return (f"the output adds {len(rest)} term(s) of {', '.join(others) or 'constants'} to the attention, "
+            "expected at most one: q times an initial state, contracted over K")
 
 
 def _within(a: Candidate, b: Candidate) -> bool:

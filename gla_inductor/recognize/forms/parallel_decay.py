@@ -304,9 +304,7 @@ def _constant_totals(an: Analyzer, const_terms: list, batch: list, letter: dict,
             raise Reject("a decay fixed at trace time is not supported yet")
         if atom.atom.fixed or not set(factor_vars(atom)) <= set(batch):
             raise Reject("the constant gate depends on more than the head")
-        # per axis: its letters and sizes (a head axis the code repeated reads both its parts)
-        letters = tuple(("1", (1,)) if x is None else ("".join(letter[p] for p in comps(x)),
-                                                      tuple(an.sizes[p] for p in comps(x))) for x in atom.idx)
+        letters = tuple(_axis_letters(an, x, letter) for x in atom.idx)
         if "b" in "".join(ls for ls, _ in letters):
             raise Reject("the constant gate depends on the batch")
         val = an.consts.evaluate(cf.node) if cf is not None else torch.ones(())
@@ -316,6 +314,19 @@ def _constant_totals(an: Analyzer, const_terms: list, batch: list, letter: dict,
         key = (atom.atom.node, letters)
         totals[key] = totals[key] + c * C if key in totals else c * C
     return totals
+
+
+def _axis_letters(an: Analyzer, x, letter: dict) -> tuple:
+    """(letters, sizes) of one axis of a constant gate, as ``lfactor`` takes it: a head axis the
+    code repeated (grouped q and k) has both parts of the heads, with their sizes."""
+    if x is None:
+        return "1", (1,)
+    if len(comps(x)) == 1:
+        return letter[x], None
+    sizes = tuple(an.sizes[p] for p in comps(x))
+    if not all(isinstance(n, int) for n in sizes):
+        raise Reject("the constant gate's merged head axis has a symbolic size")
+    return "".join(letter[p] for p in comps(x)), sizes
 
 
 def _const_over(val: torch.Tensor, idx: tuple, axes: list, an: Analyzer) -> torch.Tensor:
