@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..certify.spec import SharedLeaf, Spec
-from ..core.algebra import Factor, factor_vars
+from ..core.algebra import Factor, comps, factor_vars
 from ..certify.subgraph import flat_args, is_constant_pad
 from ..core.analyzer import Analyzer
 from ..core.consts import example_value
@@ -143,25 +143,29 @@ class Heads:
         return [self.order if c == "h" else c for c in letters] if self.order else letters
 
 
-def head_letters(batch: list, q: Factor, k: Factor) -> tuple[dict, Heads]:
-    """({batch var: letter}, Heads) of a parallel form's batch variables (in output order).
+def head_letters(entries: list, q: Factor, k: Factor) -> tuple[dict, Heads]:
+    """({batch var: letter}, Heads) of a parallel form's batch axes (`entries`, the output's axes
+    other than time and value, in order; an entry of several variables is an axis the code merged).
 
-    One or two: batch and heads (one is read as the heads, B = 1, so that a constant gate per
-    head fits). Three: the batch and a head axis split in two parts, outer then inner (the
-    analyzer read through `repeat_interleave` or expand + reshape of q and k, whose heads are
-    then the outer part, or through `repeat`, the inner part). Where q and k are indexed by the
-    same one part, the op reads them grouped with that part as its outer head axis: for
-    `repeat` (head h of H = R * G reads h % G) v, the gate, the states and the output are read
-    with the parts swapped, so that op head h' = g * R + r reads q's h' // R = g."""
-    if len(batch) <= 2:
+    One or two variables: batch and heads (one is read as the heads, B = 1, so that a constant gate
+    per head fits). Three, or two of one axis that q and k have one of: the batch (if any) and a
+    head axis of two parts, outer then inner (the analyzer read through `repeat_interleave` or
+    expand + reshape of q and k, whose heads are then the outer part, or through `repeat`, the
+    inner part). Where q and k are indexed by the same one part, the op reads them grouped with
+    that part as its outer head axis: for `repeat` (head h of H = R * G reads h % G) v, the gate,
+    the states and the output are read with the parts swapped, so that op head h' = g * R + r
+    reads q's h' // R = g."""
+    entries = [e for e in entries if e is not None and comps(e)]  # (a size-1 axis has no variable)
+    batch = [x for e in entries for x in comps(e)]
+    parts = [factor_vars(f) & set(batch[-2:]) for f in (q, k)]
+    one_part = parts[0] == parts[1] and len(parts[0]) == 1
+    if len(batch) <= 1 or len(batch) == 2 and not (len(entries) == 1 and one_part):
         return {x: "bh"[n + 2 - len(batch)] for n, x in enumerate(batch)}, Heads()
     if len(batch) > 3:
         raise Reject(f"{len(batch)} batch axes; at most 2 (batch, head) are supported, or 3 where the "
                      "heads are split in two parts (grouped q and k)")
-    b, outer, inner = batch
-    parts = [factor_vars(f) & {outer, inner} for f in (q, k)]
-    if parts[0] == parts[1] == {outer}:
-        return {b: "b", outer: "A", inner: "B"}, Heads("AB", "btAk")
-    if parts[0] == parts[1] == {inner}:
-        return {b: "b", outer: "A", inner: "B"}, Heads("BA", "btBk")
-    return {b: "b", outer: "A", inner: "B"}, Heads("AB", "bthk")
+    outer, inner = batch[-2:]
+    letter = {outer: "A", inner: "B", **({batch[0]: "b"} if len(batch) == 3 else {})}
+    if one_part:
+        return letter, Heads("AB", "btAk") if parts[0] == {outer} else Heads("BA", "btBk")
+    return letter, Heads("AB", "bthk")

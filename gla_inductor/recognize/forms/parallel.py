@@ -373,7 +373,7 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
         raise Reject(_input_decay_reason(an, av, cand.par))
     r = _roles(an, av, cand.par)
     coef, fs = cand.par
-    letter, heads = grouped_heads.head_letters(r.batch, r.q, r.k)
+    letter, heads = grouped_heads.head_letters([e for e in av.out if e not in (r.i, r.vv)], r.q, r.k)
     letter.update({x: c for x, c in ((r.kk, "k"), (r.vv, "v")) if x is not None})  # (none for size 1)
     data = [r.q, r.k, r.v]
     scalars = [f for f in fs if f.kind == "scalar"]
