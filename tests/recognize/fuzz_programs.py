@@ -643,7 +643,11 @@ def _fix_parallel_choices(c: dict) -> dict:
 
 def parallel_gap(c: dict, d: dict) -> Optional[str]:
     """Why the recognizer does not cover this GLA spelling yet; None when it must (every
-    parallel spelling now, K or V of size 1 included)."""
+    parallel spelling now, K or V of size 1 included, except as below)."""
+    if c.get("grouped") and d["V"] == 1:
+        # with no value axis, v's own part of the heads is an output axis only v has, as the
+        # query time is q's: recognize/forms/parallel.py's _qkv_by_query cannot tell them apart
+        return "grouped q/k with V = 1: the value's head part reads like a query axis"
     return None
 
 

@@ -133,3 +133,22 @@ def test_unequal_repeats_stay_materialized():
     got, _, qk = _compile(fn, args)
     assert all(shapes == ((B, T, H, K), (B, T, H, K)) for shapes in qk)
     check_against_float64(fn, args, got)
+
+
+@pytest.mark.parametrize("how", ["repeat_interleave", "repeat"])
+def test_retention_decay_grouped(how):
+    """A decay from positions and constants only (RetNet's gamma ** (i - j) per head, read by
+    evaluation) over grouped heads: its head axis is both parts of the heads."""
+
+    def fn(q, k, v):
+        q, k = REPEATS[how](q), REPEATS[how](k)
+        gamma = 1 - 2.0 ** (-3 - torch.arange(H, dtype=torch.float32))
+        i = torch.arange(T)
+        D = (gamma[:, None, None] ** (i[:, None] - i[None, :])).masked_fill(i[:, None] < i[None, :], 0)
+        return (q @ k.transpose(-1, -2) * D) @ v
+
+    args = _args("constant")[:3]
+    got, results, qk = _compile(fn, args)
+    assert qk == [((B, T, G, K), (B, T, G, K))]
+    assert [(m.form, m.gate) for r in results for m in r.matches] == [("parallel", "constant")]
+    check_against_float64(fn, args, got)
