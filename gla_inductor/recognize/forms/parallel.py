@@ -99,7 +99,7 @@ def _not_candidates(an: Analyzer, cands: dict, reported: set) -> list:
         if n in seen or av is None or av.keep is not None or any(a in seen for a in n.all_input_nodes):
             continue
         ov = out_vars(av.out)
-        par = [m for m in av.terms if _is_parallel(an, m, ov)]
+        par = [m for m in av.terms if _is_parallel(an, m, ov) and _has_decay(an, m)]
         why = _why_not_candidate(an, av, par) if par else _scores_summed(an, av, ov)
         if why is not None:
             seen.add(n)
@@ -119,7 +119,7 @@ def _scores_summed(an: Analyzer, av: AV, ov: set) -> Optional[str]:
             if sv is None or sv.keep is not None or len(sv.terms) < 2:
                 continue
             sov = out_vars(sv.out)
-            scores = [t for t in sv.terms if len(_data_atoms(an, t[1])) == 2 and len(t[1]) > 2
+            scores = [t for t in sv.terms if len(_data_atoms(an, t[1])) == 2 and _has_decay(an, t)
                       and len(mono_vars(t) - sov) == 1]
             if len(scores) == 1:
                 others = sorted({_input_name(g.atom.node) for t in sv.terms if t is not scores[0]
@@ -128,6 +128,12 @@ def _scores_summed(an: Analyzer, av: AV, ov: set) -> Optional[str]:
                         f"({', '.join(others) or 'constants'}) before the product with v, expected the scores "
                         "alone: a bonus on the diagonal (RWKV's u) or an added bias is not GLA")
     return None
+
+
+def _has_decay(an: Analyzer, m) -> bool:
+    """Whether a monomial has a factor that may be a decay or a mask (not an input, not a number):
+    without one, a product of matrices is no attention that discovery looks for."""
+    return any(f.kind not in ("atom", "scalar") or static_decay.is_static_atom(an, f) for f in m[1])
 
 
 def _why_not_candidate(an: Analyzer, av: AV, par: list) -> str:
