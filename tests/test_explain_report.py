@@ -162,3 +162,50 @@ def test_every_candidate_is_reported(fn, reason, no_cost_rule):
     near = [n for n in report.near_misses if n.form == "parallel"]
     assert len(near) == 1 and near[0].reason.startswith(reason), [n.reason for n in near]
     assert near[0].source, "the near miss points at the user's line"
+
+
+def _retention(mutation):
+    """gamma ** (i - j) per head on the causal triangle (RetNet's decays), or a look-alike; q and k
+    with half v's heads, repeated."""
+
+    def fn(q, k, v):
+        q, k = q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1)
+        H, T = v.shape[1], v.shape[2]
+        gamma = (-1 if mutation == "negative_base" else 1) * (1 - 2.0 ** (-3 - torch.arange(H, dtype=torch.float32)))
+        i = torch.arange(T)
+        D = gamma[:, None, None] ** (i[:, None] - i[None, :])
+        if mutation != "non_causal":
+            D = D.masked_fill(i[:, None] <= i[None, :] if mutation == "strict" else i[:, None] < i[None, :], 0)
+        if mutation == "scaled":
+            D = D / gamma[:, None, None]
+        return (q @ k.transpose(-1, -2) * D) @ v
+
+    return fn
+
+
+RETENTION_LOOK_ALIKES = {
+    "strict": "decay D[i, i] is 0 (at i=0), expected 1",
+    "scaled": "decay D[i, i] is 1.143 (at i=0), expected 1: the decay is c * gamma ** (i - j) with c = 1.143",
+    "non_causal": "decay D[i, j] for j > i is 1.143 (at i=0, j=1), expected 0",
+    "negative_base": "decay D[1, 0] is -0.9844, expected a gamma > 0",
+}
+
+
+@pytest.mark.parametrize("mutation", list(RETENTION_LOOK_ALIKES))
+def test_retention_look_alike_reasons(mutation):
+    """Expected versus found, the first fact about the decay that failed (grouped heads alike)."""
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen) for s in [(2, 2, 5, 3), (2, 2, 5, 3), (2, 4, 5, 4)]]
+    torch._dynamo.reset()
+    report = gla_inductor.explain(_retention(mutation), *args)
+    assert report.matches == []
+    assert [n.reason[: len(RETENTION_LOOK_ALIKES[mutation])] for n in report.near_misses] == [
+        RETENTION_LOOK_ALIKES[mutation]]
+
+
+def test_retention_grouped_is_rewritten():
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen) for s in [(2, 2, 5, 3), (2, 2, 5, 3), (2, 4, 5, 4)]]
+    torch._dynamo.reset()
+    report = gla_inductor.explain(_retention(None), *args)
+    assert [(m.form, m.gate, m.layout, m.shapes["H"]) for m in report.matches] == [("parallel", "constant", "bhtk", 4)]
