@@ -18,8 +18,10 @@ A GLA program may also pin the options of its rewrite (``expected_options``): a 
 whose initial-state or final-state term is off by one step is GLA plus code that the rewrite
 must leave as it is (initial_state / final_state False).
 
-Time loops (``loop_program``) and parallel forms (``parallel_program``) are rendered from a
-dict of choices; near misses are the same renderers with one ``mutation``. Sizes stay tiny
+Time loops (``loop_program``) and parallel forms (``parallel_program``, q and k optionally with
+half v's heads, repeated in the code) are rendered from a dict of choices; near misses are the
+same renderers with one ``mutation``. Retention (decays from positions and constants only) is in
+fuzz_retention.py. Sizes stay tiny
 (T <= 8, K, V <= 8, B, H <= 2) so that Dynamo traces each program in well under a second.
 """
 

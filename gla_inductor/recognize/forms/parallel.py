@@ -11,8 +11,10 @@ anti-causal form), and optionally the final state, a separate value
 The mask (tril, triu, masked_fill(-inf), where, 0/1 products) is evaluated concretely and
 must be exactly i >= j or j >= i. The decays are read as cumulative log gates by
 ``parallel_decay.py``; a decay that depends only on positions, constants and module buffers
-(RetNet's masks) is evaluated as a whole by ``static_decay.py``. Left alone with a reason: a
-decay computed from a function's arguments, and scores divided by their own row sums.
+(RetNet's masks) is evaluated as a whole by ``static_decay.py``. q and k with fewer heads than
+v, repeated over the heads in the code, reach the op unrepeated (``grouped_heads.head_letters``).
+Left alone with a reason: a decay computed from a function's arguments, scores divided by their
+own row sums, and what discovery finds that is no candidate (``_not_candidates``).
 """
 
 from __future__ import annotations
