@@ -152,3 +152,15 @@ def test_retention_decay_grouped(how):
     assert qk == [((B, T, G, K), (B, T, G, K))]
     assert [(m.form, m.gate) for r in results for m in r.matches] == [("parallel", "constant")]
     check_against_float64(fn, args, got)
+
+
+def test_grouped_through_inductor():
+    """The whole backend: the grouped op and the swapped head parts (`repeat`) through Inductor,
+    value and every gradient against float64."""
+    import gla_inductor
+
+    fn = _parallel(_repeat, "vector", final_state=True)
+    args = _args("vector")
+    got = outputs(torch.compile(fn, backend=gla_inductor.backend, fullgraph=True)(*args))
+    assert counters["gla_inductor"]["rewrites"] == 1
+    check_against_float64(fn, args, got)
