@@ -18,8 +18,10 @@ A GLA program may also pin the options of its rewrite (``expected_options``): a 
 whose initial-state or final-state term is off by one step is GLA plus code that the rewrite
 must leave as it is (initial_state / final_state False).
 
-Time loops (``loop_program``) and parallel forms (``parallel_program``) are rendered from a
-dict of choices; near misses are the same renderers with one ``mutation``. Sizes stay tiny
+Time loops (``loop_program``) and parallel forms (``parallel_program``, q and k optionally with
+half v's heads, repeated in the code) are rendered from a dict of choices; near misses are the
+same renderers with one ``mutation``. Retention (decays from positions and constants only) is in
+fuzz_retention.py. Sizes stay tiny
 (T <= 8, K, V <= 8, B, H <= 2) so that Dynamo traces each program in well under a second.
 """
 
@@ -177,6 +179,26 @@ def gate_args(layout: Layout, gate: str, d: dict, over: str = "K") -> list:
     if gate == "constant":
         return [("g_gamma", layout.head_shape(d), "gamma")]
     return []
+
+
+# grouped heads: q and k of G heads, head-first [B, G, T, K], repeated over v's H heads in the code
+SPREADS = ["repeat_interleave", "expand_reshape", "index_expand", "repeat"]
+
+
+def spread(how: str, x: str) -> str:
+    """x [B, G, T, K] repeated over the heads to [B, H, T, K] (R = H // G)."""
+    return {
+        "repeat_interleave": f"{x}.repeat_interleave(R, dim=1)",
+        "expand_reshape": f"{x}.unsqueeze(2).expand(B, H // R, R, T, K).reshape(B, H, T, K)",
+        "index_expand": f"{x}[:, :, None].expand(-1, -1, R, -1, -1).reshape(B, H, T, K)",
+        "repeat": f"{x}.repeat(1, R, 1, 1)",
+    }[how]
+
+
+def emit_spread(src: Src, how: Optional[str]) -> None:
+    if how is not None:
+        src("R = H // q.shape[1]")
+        src(f"q, k = {spread(how, 'q')}, {spread(how, 'k')}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,8 +587,12 @@ def parallel_program(draw, mutation: Optional[str] = None, reverse: bool = False
         "state_contract": draw(st.sampled_from(["matmul", "einsum"])),
         "reverse": reverse,
         "mutation": mutation,
+        # q and k with half v's heads, repeated in the code (not where the heads are flattened)
+        "grouped": None if layout.flat or mutation == "shared_heads" else draw(st.sampled_from([None] * 4 + SPREADS)),
     }
     d = draw(dims(at_least=_NEAR_MISS_SIZES.get(mutation)))
+    if c["grouped"]:
+        d = {**d, "G": d["H"], "H": 2 * d["H"]}
     bf16 = c["cast"] != "none" and draw(st.booleans())
     return make_parallel(c, d, torch.bfloat16 if bf16 else torch.float32, seed=draw(st.integers(0, 2**16)),
                          gate_dist=draw(st.sampled_from(sorted(_GATE_DISTS))),
@@ -577,7 +603,8 @@ def make_parallel(c: dict, d: dict, dtype: torch.dtype, seed: int, gate_dist: st
     """The parallel-form program of the choices c at sizes d."""
     layout = LAYOUTS[c["layout"].lower()]
     c = _fix_parallel_choices(dict(c))
-    args = [("q", layout.shape(d, d["K"]), "randn"), ("k", layout.shape(d, d["K"]), "randn"),
+    dqk = {**d, "H": d.get("G", d["H"])}  # grouped: q and k have G heads
+    args = [("q", layout.shape(dqk, d["K"]), "randn"), ("k", layout.shape(dqk, d["K"]), "randn"),
             ("v", layout.shape(d, d["V"]), "randn")] + gate_args(layout, c["gate"], d)
     if c["h0"]:
         args.append(("h0", layout.state_shape(d), "state"))
@@ -618,7 +645,11 @@ def _fix_parallel_choices(c: dict) -> dict:
 
 def parallel_gap(c: dict, d: dict) -> Optional[str]:
     """Why the recognizer does not cover this GLA spelling yet; None when it must (every
-    parallel spelling now, K or V of size 1 included)."""
+    parallel spelling now, K or V of size 1 included, except as below)."""
+    if c.get("grouped") and d["V"] == 1:
+        # with no value axis, v's own part of the heads is an output axis only v has, as the
+        # query time is q's: recognize/forms/parallel.py's _qkv_by_query cannot tell them apart
+        return "grouped q/k with V = 1: the value's head part reads like a query axis"
     return None
 
 
@@ -626,10 +657,13 @@ def render_parallel(c: dict, layout: Layout, params: list) -> str:
     src = Src(", ".join(params))
     src(layout.unpack())
     src("V = v.shape[-1]")
+    if c.get("grouped"):
+        src(f"H = v.shape[{layout.axes.index('H')}]")
     flat = layout.flat or "bmm" in (c["scores"], c["out"])
     if c["cast"] != "none":
         src("dtype = q.dtype")
     _to_head_first(src, c, layout, params)
+    emit_spread(src, c.get("grouped"))
     if flat and not layout.flat:
         _flatten_heads(src, c, params)
     cast = {"float": ".float()", "to": ".to(torch.float32)"}.get(c["cast"])
@@ -901,6 +935,8 @@ _NEAR_MISS_SIZES = {
 def categories() -> list:
     """(name, weight, strategy) per category. The fuzz draws from each in proportion to its
     weight: one strategy over all of them, at a few hundred draws, left some near misses out."""
+    from fuzz_retention import RETENTION_MUTATIONS, retention_program  # (it imports this module)
+
     cats = [
         ("loop", 30, loop_program()),
         ("parallel", 26, parallel_program()),
@@ -908,7 +944,9 @@ def categories() -> list:
         ("parallel-reverse/triu", 2, parallel_program(mutation="triu", reverse=True)),
         ("parallel-reverse/strict", 2, parallel_program(mutation="strict", reverse=True)),
         ("decode", 9, loop_program(decode=True)),
+        ("retention", 10, retention_program()),
     ]
+    cats += [(f"retention/{m}", 2, retention_program(mutation=m)) for ms in RETENTION_MUTATIONS.values() for m in ms]
     cats += [(f"loop/{m}", 2, loop_program(mutation=m)) for ms in LOOP_MUTATIONS.values() for m in ms]
     cats += [(f"parallel/{m}", 2, parallel_program(mutation=m)) for ms in PAR_MUTATIONS.values() for m in ms]
     return cats

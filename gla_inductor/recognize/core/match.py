@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,8 +24,18 @@ class Match:
     options: dict = field(default_factory=dict)  # reverse, initial_state, scale
     covers: set = field(default_factory=set)  # further nodes the replacement makes dead
 
+    def __post_init__(self) -> None:
+        self.layout = role_layout(self.layout)
+
     def source_lines(self) -> list[str]:
         return source_lines(self.nodes)
+
+
+def role_layout(letters: str) -> str:
+    """Role letters of a layout, each run of upper-case sub-letters as the role they are parts
+    of: the recognizers split only the head axis in parts (heads = groups x repeats), so q with
+    the group part of the heads ("bAk", Mamba2's C at decode) has the head axis ("bhk")."""
+    return re.sub("[A-Z]+", "h", letters)
 
 
 @dataclass

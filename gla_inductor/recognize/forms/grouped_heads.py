@@ -1,9 +1,14 @@
-"""Grouped heads in a chunked computation: q and k leaves that repeat tensors over the heads
-(Mamba2's C and B shared by groups of heads), which the op reads shared instead
-(``certify.spec.SharedLeaf``)."""
+"""Grouped heads: q and k with fewer heads than v, repeated over the heads in the user's code,
+which the op reads shared instead ([B, T, G, K], head h reads h // (H // G)).
+
+In a chunked computation the q and k leaves repeat tensors over the heads (Mamba2's C and B
+shared by groups of heads): ``shared_qk`` finds the tensors (``certify.spec.SharedLeaf``). In a
+parallel form the analyzer already reads through the repeat: q and k are indexed by one part of
+a head axis that the output splits in two (``head_letters``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -11,10 +16,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..certify.spec import SharedLeaf, Spec
+from ..core.algebra import Factor, comps, factor_vars
 from ..certify.subgraph import flat_args, is_constant_pad
 from ..core.analyzer import Analyzer
 from ..core.consts import example_value
 from ..core.emit import LFactor
+from ..core.match import Reject
 from ..core.op_names import op_name
 
 
@@ -112,3 +119,53 @@ def _expand_merge(n: fx.Node, axis: int) -> Optional[tuple]:
     if not (merged and r > 1 and ys[axis + 1] == 1 and ys[:axis + 1] + ys[axis + 2 :] == es[:axis + 1] + es[axis + 2 :]):
         return None
     return y, axis + 1, r
+
+
+# ---- grouped heads in a parallel form ------------------------------------------------------------
+@dataclass(frozen=True)
+class Heads:
+    """How the op's head axis is made of the user's.
+
+    `order`: "" where the heads are one axis (letter "h"); else the sub-letters of the two parts
+    of the user's head axis in the op's order, outer first ("AB": the user's order, "BA": the
+    parts swapped so that the part q and k are indexed by is the outer one). `qk`: the op's
+    letters of q and k ("bt" + that part + "k" where they are grouped, else "bthk")."""
+
+    order: str = ""
+    qk: str = "bthk"
+
+    def splits(self) -> dict:
+        return {"h": self.order} if self.order else {}
+
+    def op_axes(self, letters: str):
+        """An op output's axes (`letters`, as the op holds them) for ``Emitter.relayout``: its head
+        axis as the parts in the op's order."""
+        return [self.order if c == "h" else c for c in letters] if self.order else letters
+
+
+def head_letters(entries: list, q: Factor, k: Factor) -> tuple[dict, Heads]:
+    """({batch var: letter}, Heads) of a parallel form's batch axes (`entries`, the output's axes
+    other than time and value, in order; an entry of several variables is an axis the code merged).
+
+    One or two variables: batch and heads (one is read as the heads, B = 1, so that a constant gate
+    per head fits). Three, or two of one axis that q and k have one of: the batch (if any) and a
+    head axis of two parts, outer then inner (the analyzer read through `repeat_interleave` or
+    expand + reshape of q and k, whose heads are then the outer part, or through `repeat`, the
+    inner part). Where q and k are indexed by the same one part, the op reads them grouped with
+    that part as its outer head axis: for `repeat` (head h of H = R * G reads h % G) v, the gate,
+    the states and the output are read with the parts swapped, so that op head h' = g * R + r
+    reads q's h' // R = g."""
+    entries = [e for e in entries if e is not None and comps(e)]  # (a size-1 axis has no variable)
+    batch = [x for e in entries for x in comps(e)]
+    parts = [factor_vars(f) & set(batch[-2:]) for f in (q, k)]
+    one_part = parts[0] == parts[1] and len(parts[0]) == 1
+    if len(batch) <= 1 or len(batch) == 2 and not (len(entries) == 1 and one_part):
+        return {x: "bh"[n + 2 - len(batch)] for n, x in enumerate(batch)}, Heads()
+    if len(batch) > 3:
+        raise Reject(f"{len(batch)} batch axes; at most 2 (batch, head) are supported, or 3 where the "
+                     "heads are split in two parts (grouped q and k)")
+    outer, inner = batch[-2:]
+    letter = {outer: "A", inner: "B", **({batch[0]: "b"} if len(batch) == 3 else {})}
+    if one_part:
+        return letter, Heads("AB", "btAk") if parts[0] == {outer} else Heads("BA", "btBk")
+    return letter, Heads("AB", "bthk")

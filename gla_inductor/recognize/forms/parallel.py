@@ -11,8 +11,10 @@ anti-causal form), and optionally the final state, a separate value
 The mask (tril, triu, masked_fill(-inf), where, 0/1 products) is evaluated concretely and
 must be exactly i >= j or j >= i. The decays are read as cumulative log gates by
 ``parallel_decay.py``; a decay that depends only on positions, constants and module buffers
-(RetNet's masks) is evaluated as a whole by ``static_decay.py``. Left alone with a reason: a
-decay computed from a function's arguments, and scores divided by their own row sums.
+(RetNet's masks) is evaluated as a whole by ``static_decay.py``. q and k with fewer heads than
+v, repeated over the heads in the code, reach the op unrepeated (``grouped_heads.head_letters``).
+Left alone with a reason: a decay computed from a function's arguments, scores divided by their
+own row sums, and what discovery finds that is no candidate (``_not_candidates``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
 from ..core.op_names import op_name
-from . import periodic, static_decay
+from . import grouped_heads, periodic, static_decay
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
@@ -83,7 +85,71 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             covered.add(n)
         elif not any(u in cands and _within(cands[n], cands[u]) for u in n.users):
             near.append(NearMiss("parallel", str(r), [n]))  # (a part of a larger candidate is not one)
-    return matches, near + _normalized_scores(an)
+    normalized = _normalized_scores(an)
+    return matches, near + normalized + _not_candidates(an, cands, {n for nm in normalized for n in nm.nodes})
+
+
+def _not_candidates(an: Analyzer, cands: dict, reported: set) -> list:
+    """Near misses for the values discovery finds that are no candidate, each with the first fact
+    that failed: an attention term (three or four inputs under a decay, contracted over time), or
+    scores q k^T D summed with other terms and then contracted with v over time (the sum is one
+    input of the product: the analysis does not distribute it). A value computed from a
+    candidate or from such a value is skipped: it is reported once."""
+    found, seen = [], set(cands) | reported
+    for n in an.nodes:
+        av = an.value(n)
+        if n in seen or av is None or av.keep is not None or any(a in seen for a in n.all_input_nodes):
+            continue
+        ov = out_vars(av.out)
+        par = [m for m in av.terms if _is_parallel(an, m, ov) and _has_decay(an, m)]
+        why = _why_not_candidate(an, av, par) if par else _scores_summed(an, av, ov)
+        if why is not None:
+            seen.add(n)
+            found.append(NearMiss("parallel", why, [n]))
+    return found
+
+
+def _scores_summed(an: Analyzer, av: AV, ov: set) -> Optional[str]:
+    """Why a product of two inputs contracted over one axis, one of them scores q k^T D plus other
+    terms, is not GLA; None where it is no such product."""
+    for m in av.terms:
+        atoms = _data_atoms(an, m[1])
+        if len(atoms) != 2 or len(mono_vars(m) - ov) != 1:
+            continue
+        for f in atoms:
+            sv = an.value(f.atom.node)
+            if sv is None or sv.keep is not None or len(sv.terms) < 2:
+                continue
+            sov = out_vars(sv.out)
+            scores = [t for t in sv.terms if len(_data_atoms(an, t[1])) == 2 and _has_decay(an, t)
+                      and len(mono_vars(t) - sov) == 1]
+            if len(scores) == 1:
+                others = sorted({_input_name(g.atom.node) for t in sv.terms if t is not scores[0]
+                                 for g in t[1] if g.kind == "atom"})
+                return (f"the scores q k^T D are summed with {len(sv.terms) - 1} other term(s) "
+                        f"({', '.join(others) or 'constants'}) before the product with v, expected the scores "
+                        "alone: a bonus on the diagonal (RWKV's u) or an added bias is not GLA")
+    return None
+
+
+def _has_decay(an: Analyzer, m) -> bool:
+    """Whether a monomial has a factor that may be a decay or a mask (not an input, not a number):
+    without one, a product of matrices is no attention that discovery looks for."""
+    return any(f.kind not in ("atom", "scalar") or static_decay.is_static_atom(an, f) for f in m[1])
+
+
+def _why_not_candidate(an: Analyzer, av: AV, par: list) -> str:
+    if len(par) > 1:
+        return (f"the output sums {len(par)} attention terms (products of three inputs under a decay, "
+                "contracted over time), expected one: a second attention or a bonus on the diagonal is not GLA")
+    names = sorted(_input_name(f.atom.node) for f in _data_atoms(an, par[0][1]))
+    if len(names) == 4:
+        return (f"the attention term multiplies four inputs ({', '.join(names)}), expected three (q, k, v) "
+                "and a decay computed from positions, constants, gates or module buffers")
+    rest = [m for m in av.terms if m is not par[0]]
+    others = sorted({_input_name(f.atom.node) for m in rest for f in m[1] if f.kind == "atom"})
+    return (f"the output adds {len(rest)} term(s) of {', '.join(others) or 'constants'} to the attention, "
+            "expected at most one: q times an initial state, contracted over K")
 
 
 def _within(a: Candidate, b: Candidate) -> bool:
@@ -260,9 +326,7 @@ def _roles(an: Analyzer, av: AV, term, atoms: Optional[list] = None) -> Roles:
     i = i_c[0]
     if kk is not None and kk in factor_vars(v) or i in factor_vars(k) or i in factor_vars(v):
         raise Reject("inputs are indexed by the wrong axes")
-    batch = [x for e in av.out if e not in (i, vv) for x in comps(e)]
-    if len(batch) > 2:
-        raise Reject(f"{len(batch)} batch axes; at most 2 (batch, head) are supported")
+    batch = [x for e in av.out if e not in (i, vv) for x in comps(e)]  # (checked by head_letters)
     return Roles(q, k, v, i, j, kk, vv, batch)
 
 
@@ -317,8 +381,7 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
         raise Reject(_input_decay_reason(an, av, cand.par))
     r = _roles(an, av, cand.par)
     coef, fs = cand.par
-    # one batch axis is read as the heads (B = 1): a constant gate per head then fits it
-    letter = {x: "bh"[n + 2 - len(r.batch)] for n, x in enumerate(r.batch)}
+    letter, heads = grouped_heads.head_letters([e for e in av.out if e not in (r.i, r.vv)], r.q, r.k)
     letter.update({x: c for x, c in ((r.kk, "k"), (r.vv, "v")) if x is not None})  # (none for size 1)
     data = [r.q, r.k, r.v]
     scalars = [f for f in fs if f.kind == "scalar"]
@@ -336,7 +399,7 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
         raise Reject("an initial-state term beside a decay evaluated from positions and buffers is not read yet")
     h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
     final = _final_state(an, node, r, letter, gate, reverse, T, h0)
-    return _build(an, node, av, r, letter, gate, coef, scalars, h0, final, reverse)
+    return _build(an, node, av, r, letter, heads, gate, coef, scalars, h0, final, reverse)
 
 
 def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tuple:
@@ -599,8 +662,8 @@ def _final_h0(an: Analyzer, m, coef: float, letter: dict, gate: Gate, reverse: b
 
 
 # ---- the replacement ----------------------------------------------------------------------------
-def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Gate, coef: float, scalars: list,
-           h0: Optional[LFactor], finals: list, reverse: bool) -> Match:
+def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, heads: "grouped_heads.Heads", gate: Gate,
+           coef: float, scalars: list, h0: Optional[LFactor], finals: list, reverse: bool) -> Match:
     def axis(x, tvar) -> tuple:
         """(letters, sizes) of one axis: several letters where the code merged roles (a [B, T, H * K]
         projection viewed as [B, T, H, K] is read through the view, merged)."""
@@ -619,13 +682,15 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
     q, k, v = lf(r.q, r.i), lf(r.k, r.j), lf(r.v, r.j)
     # one group of letters per output axis: "bh" where the code flattened the heads for bmm
     out_groups = [ls for ls, _ in (axis(x, r.i) for x in av.out)]
-    if any(len(ls) > 1 and not set(ls) <= set("bh") for ls in out_groups):
+    if any(len(ls) > 1 and not set(ls) <= set("bh" + heads.order) for ls in out_groups):
         raise Reject("the output merges role axes other than batch and heads")
     sizes = sizes_from([q, k, v])
     sizes.update({c: 1 for c, x in (("k", r.kk), ("v", r.vv)) if x is None})  # no input has their axes
     if not all(c in sizes for c in "tkv"):
         raise Reject("the sizes of the inputs could not be read")
     shapes = {c.upper(): _shape_of(sizes[c]) for c in "bthkv"}
+    if heads.order:  # the user's heads, of two parts
+        shapes["H"] = math.prod(_shape_of(sizes[c]) for c in heads.order)
     scalar_lfs = [LFactor(f.node, "") for f in scalars]
     anchor = min([node] + [f.node for f in finals], key=an.order.__getitem__)
     deps = [x.node for x in (q, k, v, h0) if x is not None] + [x.node for x in scalar_lfs]
@@ -636,18 +701,18 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, gate: Ga
     placement.check_unmodified(an, deps, an.order[anchor])
 
     def apply(txn) -> None:
-        em = Emitter(txn, anchor, sizes)
-        qn = em.lift(Group(1.0, (q, *scalar_lfs)), "bthk")
-        kn = em.lift(Group(1.0, (k,)), "bthk")
+        em = Emitter(txn, anchor, sizes, heads.splits())
+        qn = em.lift(Group(1.0, (q, *scalar_lfs)), heads.qk)
+        kn = em.lift(Group(1.0, (k,)), heads.qk)
         vn = em.lift(Group(1.0, (v,)), "bthv")
         g, g_gamma = _emit_gate(em, gate)
         h0n = em.as_float32(em.lift(Group(1.0, (h0,)), "bhkv")) if h0 is not None else None
         call = GLACall(qn, kn, vn, g, g_gamma, h0n, scale=coef, output_final_state=bool(finals), reverse=reverse)
         op = emit_op(em, call)
         o = em.call(operator.getitem, op, 0)
-        txn.replace_all_uses(node, em.cast_like(em.relayout(o, "bthv", out_groups), node))
+        txn.replace_all_uses(node, em.cast_like(em.relayout(o, heads.op_axes("bthv"), out_groups), node))
         for f in finals:
-            ht = em.relayout(em.call(operator.getitem, op, 1), "bhkv", f.groups)
+            ht = em.relayout(em.call(operator.getitem, op, 1), heads.op_axes("bhkv"), f.groups)
             if f.coef != 1.0:
                 ht = em.call(torch.mul, ht, f.coef)
             txn.replace_all_uses(f.node, em.cast_like(ht, f.node))

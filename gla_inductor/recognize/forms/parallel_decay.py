@@ -291,7 +291,7 @@ def _constant_gate(an: Analyzer, const_terms: list, i: int, j: int, batch: list,
         if not torch.allclose(C[tri], steps[tri] * lam, rtol=1e-6, atol=1e-6):
             raise Reject("the constant decay exponent is not proportional to i - j")
         weights[key] = lam
-    terms = [(lam, LFactor(node, letters)) for (node, letters), lam in weights.items()]
+    terms = [(lam, lfactor(node, (), list(per_axis))) for (node, per_axis), lam in weights.items()]
     return Gate("constant", terms, weights, [node for node, _ in weights])
 
 
@@ -304,8 +304,8 @@ def _constant_totals(an: Analyzer, const_terms: list, batch: list, letter: dict,
             raise Reject("a decay fixed at trace time is not supported yet")
         if atom.atom.fixed or not set(factor_vars(atom)) <= set(batch):
             raise Reject("the constant gate depends on more than the head")
-        letters = "".join("1" if x is None else letter[x] for x in atom.idx)
-        if "b" in letters:
+        letters = tuple(_axis_letters(an, x, letter) for x in atom.idx)
+        if "b" in "".join(ls for ls, _ in letters):
             raise Reject("the constant gate depends on the batch")
         val = an.consts.evaluate(cf.node) if cf is not None else torch.ones(())
         if val is None or cf is not None and not factor_vars(cf) <= set(axes):
@@ -314,6 +314,19 @@ def _constant_totals(an: Analyzer, const_terms: list, batch: list, letter: dict,
         key = (atom.atom.node, letters)
         totals[key] = totals[key] + c * C if key in totals else c * C
     return totals
+
+
+def _axis_letters(an: Analyzer, x, letter: dict) -> tuple:
+    """(letters, sizes) of one axis of a constant gate, as ``lfactor`` takes it: a head axis the
+    code repeated (grouped q and k) has both parts of the heads, with their sizes."""
+    if x is None:
+        return "1", (1,)
+    if len(comps(x)) == 1:
+        return letter[x], None
+    sizes = tuple(an.sizes[p] for p in comps(x))
+    if not all(isinstance(n, int) for n in sizes):
+        raise Reject("the constant gate's merged head axis has a symbolic size")
+    return "".join(letter[p] for p in comps(x)), sizes
 
 
 def _const_over(val: torch.Tensor, idx: tuple, axes: list, an: Analyzer) -> torch.Tensor:
@@ -334,7 +347,7 @@ def check_decay(an: Analyzer, exps: list, times: dict, letter: dict, gate: Gate,
     with C = lambda * steps(arange over the one time axis)."""
     ex = _exponent(an, exps, times, letter, T)
     if gate.kind == "constant":
-        batch = [x for x in letter if letter[x] in ("b", "h")]
+        batch = [x for x in letter if letter[x] in ("b", "h") or letter[x].isupper()]  # (parts of h)
         totals = _constant_totals(an, ex.consts, batch, letter, axes) if ex.consts else {}
         if ex.uses or set(totals) != set(gate.weights):
             raise Reject("the decay of the state does not match the attention's")

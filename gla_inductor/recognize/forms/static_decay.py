@@ -62,7 +62,7 @@ class StaticGate:
 def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict) -> StaticGate:
     """The constant gate of the decay (the product of `factors`), or Reject saying which fact
     about D failed, as expected against found."""
-    heads = [x for x in batch if letter.get(x) == "h"]
+    heads = [x for x in batch if letter.get(x) == "h" or letter.get(x, "").isupper()]  # (parts of the heads)
     for f in factors:
         extra = factor_vars(f) - {i, j} - set(heads)
         if extra:
@@ -186,12 +186,18 @@ def _factor_value(an: Analyzer, f: Factor, axes: list, state) -> Optional[torch.
             val = val.select(axis, index) if val is not None else None
     if val is None:
         return None
-    return _over(val.double(), f.idx, axes)
+    return _over(val.double(), f.idx, axes, an)
 
 
-def _over(val: torch.Tensor, idx: tuple, axes: list) -> Optional[torch.Tensor]:
-    if any(type(e) is tuple for e in idx) or val.dim() != len(idx):
+def _over(val: torch.Tensor, idx: tuple, axes: list, an: Optional[Analyzer] = None) -> Optional[torch.Tensor]:
+    if val.dim() != len(idx):
         return None
+    if any(type(e) is tuple for e in idx):  # an axis of merged variables (the heads of grouped q, k)
+        if an is None:
+            return None
+        val = val.reshape([n for s, e in zip(val.shape, idx)
+                           for n in ([int(size_hint(an.sizes[c])) for c in e] if type(e) is tuple else [s])])
+        idx = tuple(c for e in idx for c in (e if type(e) is tuple else (e,)))
     val = val.reshape([s for s, x in zip(val.shape, idx) if x is not None])
     present = [x for x in idx if x is not None]
     if any(x not in axes for x in present):
@@ -321,6 +327,8 @@ def _lift_at(em: Emitter, an: Analyzer, fs: tuple, at: dict, letter: dict, coef:
                 per_axis.append(("1", (1,)))
             elif len(comps(x)) == 1 and letter.get(x) == "h":
                 per_axis.append(("h", None))
+            elif all(letter.get(p, "").isupper() for p in comps(x)):  # the heads, of two parts
+                per_axis.append(("".join(letter[p] for p in comps(x)), tuple(an.sizes[p] for p in comps(x))))
             else:
                 raise Reject("the decay is indexed by an axis other than the head and the two times")
         lfs.append(lfactor(node, tuple(sorted(select)), per_axis))
