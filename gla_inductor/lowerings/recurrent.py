@@ -189,7 +189,7 @@ def _template(call: GLACall):
 
 def _decompose(call: GLACall):
     """o from the steps as aten-level IR; the final state is copied into the state in place. Each
-    step's output is realized before that copy, so that it reads the state as it was."""
+    step's reduction is realized before that copy, so that it reads the state as it was."""
     L = lowerings
     dtype = _compute_dtype(call)
     q, k, v = (to_dtype(x, dtype) for x in (call.q, call.k, call.v))
@@ -206,11 +206,15 @@ def _decompose(call: GLACall):
             S = L[aten.mul.Tensor](S, decay)
         kv = L[aten.mul.Tensor](_unsqueeze(_step(k, t), -1), _unsqueeze(_step(v, t), -2))
         S = L[aten.add.Tensor](S, kv)
-        if i < T - 1:
-            S.realize()  # read by the next step and by this step's output: a buffer, as Inductor makes it
+        if i < T - 1 and isinstance(S.data, ir.StorageBox):
+            # read by the next step and by this step's output: realized where Inductor would
+            # realize a value of two users (its rule for the naive loop's states)
+            S.data.mark_reuse(2)
         o_t = L[aten.sum.dim_IntList](L[aten.mul.Tensor](_unsqueeze(_step(q, t), -1), S), [-2])
-        o_t = to_dtype(L[aten.mul.Tensor](o_t, call.scale), out_dtype)
-        o_t.realize()
+        o_t.realize()  # the reduction reads the state before the copy below overwrites it
+        if call.scale != 1.0:
+            o_t = L[aten.mul.Tensor](o_t, call.scale)
+        o_t = to_dtype(o_t, out_dtype)
         outs[t] = o_t
     o = _stack([outs[t] for t in range(T)]) if T > 0 else _empty_output(call, out_dtype)
     L[aten.copy_.default](call.initial_state, S)
