@@ -86,10 +86,7 @@ def route(call: GLACall) -> tuple[str, Optional[str]]:
     return "extern", f"no template ({template_reason}) and no decomposition ({decompose_reason})"
 
 
-def _head_sizes_reason(call: GLACall) -> Optional[str]:
-    K, Vd = call.q.get_size()[-1], call.v.get_size()[-1]
-    if not (_static(K) and _static(Vd)):
-        return "dynamic head sizes (K and V set the kernel's tiles)"
+def _group_reason(call: GLACall) -> Optional[str]:
     G, H = call.q.get_size()[2], call.v.get_size()[2]
     if not V.graph.sizevars.statically_known_equals(G, H) and not (_static(G) and _static(H)):
         return "q/k shared by groups of heads, with dynamic head counts (the group size is a constant)"
@@ -100,7 +97,10 @@ def _template_reason(call: GLACall) -> Optional[str]:
     q = call.q
     if q.get_device().type == "cpu" and inductor_config.cpu_backend != "triton":
         return "CPU tensors (Inductor's CPU backend is not Triton)"
-    reason = _head_sizes_reason(call)
+    K, Vd = q.get_size()[-1], call.v.get_size()[-1]
+    if not (_static(K) and _static(Vd)):
+        return "dynamic head sizes (K and V set the kernel's tiles)"
+    reason = _group_reason(call)
     if reason is not None:
         return reason
     if not isinstance(call.scale, (int, float)):
@@ -119,7 +119,7 @@ def _decompose_reason(call: GLACall) -> Optional[str]:
     T = call.q.get_size()[1]
     if not _static(T) or int(T) > DECOMPOSE_MAX_T:
         return f"T = {T}: the decomposition unrolls static T <= {DECOMPOSE_MAX_T} steps"
-    return _head_sizes_reason(call)
+    return _group_reason(call)
 
 
 @functools.cache

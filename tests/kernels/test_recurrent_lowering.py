@@ -230,3 +230,31 @@ def test_pool_under_decompose_falls_back_with_the_reason(cpp_inductor, caplog):
     _check_pool(out, stored, before, q, k, v, g, idx, False)
     assert EXTERN_CALL.search(code), code
     assert any("a state pool (state_indices)" in r.message for r in caplog.records), caplog.text
+
+
+# ----------------------------------------------------------------------------------------------
+# dynamic shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def _dynamic_batches(device, code_check):
+    """Batch sizes 2, 3, 5 (Dynamo makes B symbolic from the second), then a 2-token step; each
+    lowered and exact."""
+    compiled = _compiled_step()
+    for B, T in ((2, 1), (3, 1), (5, 1), (3, 2)):
+        q, k, v, g, _, h0 = _inputs("vector", B=B, T=T, G=2, device=device)
+        x = h0.clone()
+        out, (code, *_) = run_and_get_code(compiled, q, k, v, g, None, x)
+        ref_o, ref_ht = _reference(q, k, v, g, None, h0)
+        assert_rel_close(f"o (B = {B})", out / 2, ref_o, TOL[torch.float32])
+        assert_rel_close(f"state (B = {B})", x, ref_ht, TOL[torch.float32])
+        assert not EXTERN_CALL.search(code) and code_check(code), code
+
+
+@needs_triton
+def test_template_with_a_dynamic_batch(triton_inductor):
+    _dynamic_batches(DEVICE, lambda code: TEMPLATE_KERNEL in code)
+
+
+def test_decomposition_with_a_dynamic_batch(cpp_inductor):
+    _dynamic_batches("cpu", lambda code: "cpp_fused" in code)
