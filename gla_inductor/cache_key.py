@@ -3,7 +3,8 @@
 Inductor's FX-graph and AOTAutograd caches key compiled graphs on torch's sources and config, not on
 third-party lowerings: after our templates or lowerings change, a warm cache would serve kernels
 generated from the old ones. A custom graph pass's ``uuid()`` is part of the key, so we install a
-pass that does nothing and whose uuid hashes every source and template file of the package.
+pass that does nothing and whose uuid hashes every source and template file of the package, and the
+switches of ``gla_inductor.config`` that change what the lowerings generate.
 """
 
 from __future__ import annotations
@@ -22,17 +23,25 @@ def cache_key_pass():
     files = tuple(sorted(str(p) for p in root.rglob("*") if p.suffix in (".py", ".jinja", ".cpp")))
 
     class GLACacheKey(CustomGraphPass):
-        """Does nothing to the graph; its uuid is the hash of the package's files."""
+        """Does nothing to the graph; its uuid is the hash of the package's files and of the
+        lowering switches (read at each compile: a switch flipped between compiles of one graph
+        must not be served the other's code)."""
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             return None
 
         def uuid(self) -> bytes:
-            return get_hash_for_files(self.files)
+            return get_hash_for_files(self.files) + repr(_lowering_switches()).encode()
 
     key = GLACacheKey()
     key.files = files
     return key
+
+
+def _lowering_switches() -> tuple:
+    from . import config
+
+    return (config.decode_lowering, config.triton_kernels, tuple(config.triton_gates))
 
 
 def keyed(user_pass=None):

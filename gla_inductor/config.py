@@ -35,6 +35,14 @@ triton_kernels: bool = True
 # the kernel tests on an H100 (torch 2.11, triton 3.6; benchmarks/results/archive/h100-2026-11-22.md).
 triton_gates: tuple = ("vector", "scalar", "constant", "none")
 
+# How compiled graphs run the decode op gla_inductor::fused_recurrent (gla_inductor/lowerings/recurrent.py):
+# "template": the recurrent Triton kernel as an Inductor template (one pass over the state for all steps);
+# "decompose": the steps as pointwise and reduction IR, which Inductor fuses as it fuses the naive step;
+# "extern": a call of the eager op (Python on every call); "auto": the template where Inductor generates
+# Triton for the device, else the decomposition up to 8 steps, else extern. A call the chosen way cannot
+# run (say, a state pool in "decompose") lowers to extern, with the reason logged.
+decode_lowering: str = "auto"
+
 # Run the ops on CPU as step loops in C++ (gla_inductor/impl/step_loop.py says why), compiled on
 # first use; False forces the chunked PyTorch implementation, which fp64 and machines without a
 # C++ compiler take anyway.

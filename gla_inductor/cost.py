@@ -6,7 +6,7 @@ steps without gradients (decoding), the work is a pass over the state, which Ind
 generated code nearly as well, and our op's host cost per call decides. The model compares, for
 each candidate, the larger of host and device time on either side (the two overlap):
 
-    ours     = max(HOST_OP,    (OUR_PASSES + OUR_PASSES_PER_STEP * T) * pass)
+    ours     = max(HOST, (OUR_PASSES + OUR_PASSES_PER_STEP * T) * pass)
     inductor = max(HOST_GRAPH, T * pass / INDUCTOR_EFFICIENCY)
 
 with ``pass`` a read and a write of the [B, H, K, V] fp32 state at the device's copy bandwidth.
@@ -15,8 +15,15 @@ graphs), Inductor's code one pass per step (87-90%); on CPU our decode op is a P
 of three passes per step. The constants come from ``python -m benchmarks decode`` (the latest
 result: benchmarks/results/README.md; called eagerly, the op lost to the compiled naive step at
 B·H up to 4096 and won above) and lean to our side's pessimistic end: a candidate is rewritten
-only where the model says it wins. Candidates with gradients, and every form but short steps, are rewritten: there the op's
-chunked kernels and their backward win at every measured shape.
+only where the model says it wins. Candidates with gradients, and every form but short steps, are
+rewritten: there the op's chunked kernels and their backward win at every measured shape.
+
+HOST is HOST_OP for an extern call of the eager op, HOST_LOWERED where the op is lowered into the
+compiled graph's code (``lowerings/``): on CUDA our kernels are Inductor templates, launched from
+the generated wrapper like Inductor's own kernels, unless ``config.decode_lowering`` is "extern".
+On CPU the model keeps the extern op's cost: the decode op there lowers to Inductor's own code for
+the step (the decomposition), which costs what not rewriting costs, so the candidate is left to
+Inductor either way.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Candidate", "Estimate", "estimate", "unprofitable_reason"]
+from . import config
+
+__all__ = ["Candidate", "Estimate", "estimate", "lowered", "unprofitable_reason"]
 
 # Steps up to which a candidate counts as "short": one pass over the state dominates its work.
 SHORT_STEPS = 8
@@ -33,7 +42,8 @@ SHORT_STEPS = 8
 @dataclass(frozen=True)
 class DeviceModel:
     bandwidth_gbs: float  # copy bandwidth, GB/s (bytes read + written)
-    host_op_ms: float  # host cost of one call of our op
+    host_op_ms: float  # host cost of one call of our op (extern: through the dispatcher into Python)
+    host_lowered_ms: float  # host cost of our op lowered into generated code (a template launch)
     host_graph_ms: float  # host cost of a compiled graph's generated kernel
     our_passes: float  # passes over the state our op makes per call, whatever T
     our_passes_per_step: float  # and per step
@@ -41,10 +51,10 @@ class DeviceModel:
 
 
 MODELS = {
-    "cpu": DeviceModel(bandwidth_gbs=10.0, host_op_ms=0.10, host_graph_ms=0.01, our_passes=0.0,
-                       our_passes_per_step=3.0, inductor_efficiency=1.0),
-    "cuda": DeviceModel(bandwidth_gbs=4000.0, host_op_ms=0.20, host_graph_ms=0.04, our_passes=1 / 0.96,
-                        our_passes_per_step=0.0, inductor_efficiency=0.88),
+    "cpu": DeviceModel(bandwidth_gbs=10.0, host_op_ms=0.10, host_lowered_ms=0.10, host_graph_ms=0.01,
+                       our_passes=0.0, our_passes_per_step=3.0, inductor_efficiency=1.0),
+    "cuda": DeviceModel(bandwidth_gbs=4000.0, host_op_ms=0.20, host_lowered_ms=0.04, host_graph_ms=0.04,
+                        our_passes=1 / 0.96, our_passes_per_step=0.0, inductor_efficiency=0.88),
 }
 
 
@@ -74,9 +84,15 @@ def estimate(c: Candidate) -> Optional[Estimate]:
         return None
     pass_ms = c.batch_heads * c.K * c.V * 4 * 2 / (model.bandwidth_gbs * 1e6)
     steps = max(c.steps, 1)
-    ours = max(model.host_op_ms, (model.our_passes + model.our_passes_per_step * steps) * pass_ms)
+    host = model.host_lowered_ms if lowered(c.device) else model.host_op_ms
+    ours = max(host, (model.our_passes + model.our_passes_per_step * steps) * pass_ms)
     inductor = max(model.host_graph_ms, steps * pass_ms / model.inductor_efficiency)
     return Estimate(ours, inductor)
+
+
+def lowered(device: str) -> bool:
+    """Whether a rewritten short step runs as generated code on ``device`` (no extern call)."""
+    return device == "cuda" and config.decode_lowering != "extern"
 
 
 def unprofitable_reason(c: Candidate) -> Optional[str]:

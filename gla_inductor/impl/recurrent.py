@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..contract import GLACall
+from ..contract import GLACall, repeat_groups
 
 __all__ = ["STEP_LOOP_MAX_T", "gather_slots", "scatter_slots", "slot_validity", "step_loop", "zero_padded"]
 
@@ -85,8 +85,9 @@ def zero_padded(o: Tensor, indices: Tensor, pool_size: int) -> Tensor:
 
 @torch.no_grad()
 def step_loop(call: GLACall, state: Tensor) -> Tensor:
-    """o [B, T, H, V] of ``call`` (a log gate, q and k with v's heads) from ``state``, which it
-    overwrites with the final state; with ``call.state_indices``, from and into the pool's slots."""
+    """o [B, T, H, V] of ``call`` (a log gate; q and k with v's heads or shared by groups of them)
+    from ``state``, which it overwrites with the final state; with ``call.state_indices``, from and
+    into the pool's slots."""
     indices = call.state_indices
     if indices is not None:
         slots = gather_slots(state, indices, call.state_dtype)
@@ -99,8 +100,10 @@ def step_loop(call: GLACall, state: Tensor) -> Tensor:
 def _loop(call: GLACall, state: Tensor) -> Tensor:
     q, k, v, g, g_gamma = call.q, call.k, call.v, call.g, call.g_gamma
     dtype = call.state_dtype
-    B, T, H, _ = q.shape
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    B, T, _, _ = q.shape
+    H = v.shape[2]
+    # grouped q and k: repeated here (T is short: a few rows per step, against the state's K x V)
+    q, k, v = repeat_groups(q.to(dtype), H), repeat_groups(k.to(dtype), H), v.to(dtype)
     # the running state: the caller's tensor itself when it has the compute dtype (it is overwritten
     # anyway), else a working copy written back at the end
     S = state if state.dtype == dtype else state.to(dtype)

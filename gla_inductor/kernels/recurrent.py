@@ -99,9 +99,10 @@ def unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Opt
 
 
 def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *, block_v: int, use_h0: bool,
-                      store_ht: bool, group: int = 1, use_indices: bool = False) -> dict:
+                      store_ht: bool, group: int = 1, use_indices: bool = False, ht_is_h0: bool = False) -> dict:
     """The template's options (jinja variables and constexprs); ``gate`` as ``GLACall.gate_kind``;
-    ``group`` the heads of v per head of q and k; ``use_indices``: the states are slots of a pool."""
+    ``group`` the heads of v per head of q and k; ``use_indices``: the states are slots of a pool;
+    ``ht_is_h0``: the final state overwrites the initial one, passed once (Inductor's lowering)."""
     return dict(
         BK=max(16, pow2(K)),
         BV=block_v,
@@ -111,6 +112,7 @@ def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *,
         USE_G_GAMMA=gate == "constant",
         USE_H0=use_h0,
         STORE_HT=store_ht,
+        HT_IS_H0=bool(ht_is_h0),
         REVERSE=bool(reverse),
         SCALE=float(scale),
         GROUP=int(group),

@@ -29,7 +29,7 @@ from ..kernels import recurrent as recurrent_kernels
 
 __all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_fwd", "chunk_fwd_gpu", "chunk_fwd_states",
            "chunk_fwd_states_gpu", "chunk_unsupported_reason",
-           "fused_recurrent", "fused_recurrent_gpu", "routes_to_recurrent"]
+           "fused_recurrent", "fused_recurrent_gpu", "recurrent_unsupported_reason", "routes_to_recurrent"]
 
 log = logging.getLogger("gla_inductor")
 
@@ -60,14 +60,15 @@ def chunk_unsupported_reason(call: GLACall) -> Optional[str]:
     return _switched_off_reason(call) or chunk_kernels.unsupported_reason(call)
 
 
-def _recurrent_unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Optional[str]:
+def recurrent_unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Optional[str]:
+    """None where the fused recurrent kernel runs ``call``, else why not."""
     return _switched_off_reason(call) or recurrent_kernels.unsupported_reason(call, state_out)
 
 
 def routes_to_recurrent(call: GLACall) -> bool:
     """Whether chunk_fwd runs a CUDA call on the fused recurrent kernel (not for packed sequences,
     whose lengths it cannot see)."""
-    return not call.varlen and 0 < call.q.shape[1] <= RECURRENT_MAX_T and _recurrent_unsupported_reason(call) is None
+    return not call.varlen and 0 < call.q.shape[1] <= RECURRENT_MAX_T and recurrent_unsupported_reason(call) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def fused_recurrent_gpu(call: GLACall, state: Tensor) -> Tensor:
     kernels, where the recurrent kernel is slower."""
     if call.q.shape[1] > RECURRENT_MAX_T:
         return _via_chunks(call, state)
-    reason = _recurrent_unsupported_reason(call, state)
+    reason = recurrent_unsupported_reason(call, state)
     if reason is None:
         return recurrent_kernels.forward(call, state)
     _note_fallback(f"fused_recurrent: {reason}")

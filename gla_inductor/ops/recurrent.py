@@ -4,7 +4,8 @@
 
 runs T steps of GLA from ``state`` [B, H, K, V] and overwrites ``state`` with the final state (in
 its own dtype; the math is fp32, fp64 for fp64 inputs). It returns o [B, T, H, V] in the promoted
-dtype of q, k, v.
+dtype of q, k, v. q and k are [B, T, G, K] with G dividing H, v [B, T, H, V]: head h reads q/k head
+h // (H // G), so heads shared by groups (GQA-style) are passed unrepeated.
 
     o = torch.ops.gla_inductor.fused_recurrent(q, k, v, g, g_gamma, pool, scale, reverse, state_indices)
 
@@ -22,6 +23,9 @@ Inference only: the op has no backward, and refuses inputs that require grad und
 (training runs ``gla_inductor::chunk_fwd``). Under ``torch.compile`` the mutation is functionalized
 (``auto_functionalized``) and Inductor's reinplacing pass turns it back into an in-place call on the
 caller's state (or pool: only the slots named are written, the rest of the pool is never copied).
+Inductor then lowers that call to generated code (``gla_inductor.lowerings.recurrent``, chosen by
+``config.decode_lowering``): the recurrent kernel as a template, or the steps decomposed into
+pointwise and reduction IR, writing the state in place; no Python runs per call.
 """
 
 from typing import Optional
@@ -31,6 +35,7 @@ from torch import Tensor
 
 from ..contract import RECURRENT_ARGS, GLACall, output_dtype
 from . import dispatch
+from .chunk import _first_trace
 
 __all__ = ["fused_recurrent"]
 
@@ -41,8 +46,14 @@ __all__ = ["fused_recurrent"]
 
 
 def _check_state(q: Tensor, v: Tensor, state: Tensor, state_indices: Optional[Tensor] = None) -> None:
-    """The kernel would write out of bounds through a wrong state: check it (the rest is the caller's)."""
-    B, _, H, K = q.shape
+    """The kernel would read or write out of bounds through a wrong state or head count: check them
+    (the rest is the caller's)."""
+    B, _, G, K = q.shape
+    H = v.shape[2]
+    if G == 0 or H % G:
+        raise ValueError(
+            f"gla_inductor::fused_recurrent: q has shape {tuple(q.shape)} and v {tuple(v.shape)}; expected q's "
+            f"heads (dim 2) to divide v's {H} (q and k [B, T, G, K] shared by groups of H / G heads)")
     if state_indices is not None:
         _check_pool(q, v, state, state_indices)
         return
@@ -95,9 +106,10 @@ def fused_recurrent(
 
 @fused_recurrent.register_fake
 def _fused_recurrent_fake(q, k, v, g, g_gamma, state, scale, reverse, state_indices=None):
+    _first_trace()  # registers the lowerings (the package face's hook) before Inductor sees the op
     _check_state(q, v, state, state_indices)
-    B, T, H, _ = q.shape
-    return q.new_empty(B, T, H, v.shape[-1], dtype=output_dtype(q, k, v))
+    B, T = q.shape[:2]
+    return q.new_empty(B, T, v.shape[2], v.shape[-1], dtype=output_dtype(q, k, v))
 
 
 def _inference_only(keyset, *args):

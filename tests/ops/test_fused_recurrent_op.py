@@ -345,9 +345,11 @@ def _spy(monkeypatch, module, name):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lowering", ["extern", "auto"])
 @pytest.mark.parametrize("layout", ["state", "cache_view"])
-def test_compiled_op_updates_the_graph_input_in_place(layout):
-    """The graph input is the state itself, or a [B, H, V, K] cache whose transpose is the state."""
+def test_compiled_op_updates_the_graph_input_in_place(layout, lowering):
+    """The graph input is the state itself, or a [B, H, V, K] cache whose transpose is the state;
+    the op runs as an extern call, or lowered to Inductor's C++ (gla_inductor.lowerings.recurrent)."""
     from torch._inductor.utils import run_and_get_code
 
     case = Case("vector", T=2, K=8, V=12)
@@ -362,14 +364,19 @@ def test_compiled_op_updates_the_graph_input_in_place(layout):
 
     torch._dynamo.reset()
     x = as_state(h0).clone()  # the graph input
-    compiled = torch.compile(step, backend="inductor", fullgraph=True)
-    out, (code, *_) = run_and_get_code(compiled, q, k, v, g, x)
+    with gla_inductor.config.patch(decode_lowering=lowering):
+        compiled = torch.compile(step, backend="inductor", fullgraph=True)
+        out, (code, *_) = run_and_get_code(compiled, q, k, v, g, x)
     assert_rel_close("o", out / 2, ref_o, TOL[fp32])
     assert_rel_close("state", as_state(x), ref_ht, TOL[fp32])  # the caller's tensor holds the final state
     # a second step continues from the updated state, as a decoding loop does
     ref_o2, ref_ht2 = _reference(q, k, v, g, None, ref_ht, 0.3, False)
     assert_rel_close("o (second step)", compiled(q, k, v, g, x) / 2, ref_o2, TOL[fp32])
     assert_rel_close("state (second step)", as_state(x), ref_ht2, TOL[fp32])
+    if lowering == "auto":  # generated code writes the graph input: no extern call, no copy
+        host = code[code.index("def call("):]
+        assert "fused_recurrent.default(" not in host and "copy_" not in host and "clone" not in host, code
+        return
     # reinplaced: the op's state argument is the graph input itself (argN_1, or a view of it), not a
     # buffer copied from it and back
     assert re.search(r"fused_recurrent\.default\(.*, None, (reinterpret_tensor\()?arg\d+_1\b", code), code

@@ -45,16 +45,33 @@ def test_long_loops_and_training_are_rewritten():
     assert len(gla_inductor.explain(_loop, *short).matches) == 1  # T = 4, with gradients
 
 
-def test_model_decisions():
-    def reason(device, B, steps=1, H=32):
-        return cost.unprofitable_reason(cost.Candidate(form="decode", steps=steps, batch_heads=B * H, K=128, V=128,
-                                                       device=device, needs_grad=False))
+def _reason(device, B, steps=1, H=32):
+    return cost.unprofitable_reason(cost.Candidate(form="decode", steps=steps, batch_heads=B * H, K=128, V=128,
+                                                   device=device, needs_grad=False))
 
-    # measured (H200): the eager op loses to Inductor's fused step at B = 64 and 128, wins at 256
-    assert reason("cuda", 64) is not None and reason("cuda", 128) is not None and reason("cuda", 256) is None
-    assert reason("cuda", 64, steps=4) is None  # one pass over the state against four
-    assert reason("cpu", 16) is not None and reason("cpu", 256) is not None and reason("cpu", 16, steps=8) is not None
+
+def test_model_decisions_for_the_extern_op():
+    with gla_inductor.config.patch(decode_lowering="extern"):
+        assert not cost.lowered("cuda")
+        # measured (H200): the eager op loses to Inductor's fused step at B = 64 and 128, wins at 256
+        assert _reason("cuda", 64) is not None and _reason("cuda", 128) is not None and _reason("cuda", 256) is None
+        assert _reason("cuda", 64, steps=4) is None  # one pass over the state against four
     long = cost.Candidate(form="loop", steps=512, batch_heads=8, K=64, V=64, device="cpu", needs_grad=False)
     assert cost.unprofitable_reason(long) is None
     unknown = cost.Candidate(form="decode", steps=None, batch_heads=8, K=64, V=64, device="cpu", needs_grad=False)
     assert cost.unprofitable_reason(unknown) is None and cost.estimate(unknown) is None
+
+
+def test_model_decisions_for_the_lowered_op():
+    """Lowered into the graph's code (a template launch on CUDA), the op's host cost is a kernel
+    launch like Inductor's own: one pass over the state wins from small batches on; where both
+    sides are only host time, the tie leaves the step to Inductor. On CPU nothing changes: the
+    lowered step is Inductor's own code."""
+    assert cost.lowered("cuda") and not cost.lowered("cpu")
+    assert _reason("cuda", 64) is None and _reason("cuda", 128) is None and _reason("cuda", 256) is None
+    # 64 MiB and 128 KiB of state: launch-bound either way, a tie
+    assert _reason("cuda", 16) is not None and _reason("cuda", 1, H=1) is not None
+    est = cost.estimate(cost.Candidate(form="decode", steps=1, batch_heads=64 * 32, K=128, V=128, device="cuda",
+                                       needs_grad=False))
+    assert est.ours_ms < est.inductor_ms < 0.2
+    assert _reason("cpu", 16) is not None and _reason("cpu", 256) is not None and _reason("cpu", 16, steps=8) is not None

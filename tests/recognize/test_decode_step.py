@@ -91,3 +91,19 @@ def test_near_miss_reasons():
     assert any("delta-rule" in r for r in reasons("near_decode_delta"))
     assert any("not read by a query" in r for r in reasons("near_decode_exclusive"))
     assert any("modified in place" in r for r in reasons("near_decode_reset_before_read"))
+
+
+@pytest.mark.parametrize("name", ["decode_broadcast_copy", "decode_mamba2"])
+def test_lowered_decode_has_no_extern_call(name):
+    """Compiled with Inductor's C++ backend, the in-place decode op lowers to generated code (the
+    decomposition: config.decode_lowering "auto" on CPU), no extern call of the eager op; the cache
+    is written and exact (Mamba2's: B/C shared by groups of heads, a V x K state)."""
+    from torch._inductor.utils import run_and_get_code
+
+    sp = BY_NAME[name]
+    args = sp.make(torch.float32)
+    with torch.no_grad():
+        compiled = torch.compile(sp.fn, backend=gla_inductor.backend, fullgraph=True)
+        _, (code, *_) = run_and_get_code(run_checked, sp, args, compiled)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert "torch.ops.gla_inductor.fused_recurrent.default(" not in code, code

@@ -100,17 +100,21 @@ def _decode_args():
 
 
 @pytest.mark.parametrize("how", list(REPEATS))
-def test_decode_in_place_keeps_the_repeat(how):
+def test_decode_in_place_grouped(how):
     """Without gradients a step that writes its cache back becomes an in-place fused_recurrent,
-    which reads its heads from q: q and k stay repeated there (H heads), and the step is exact."""
-    fn = _decode(REPEATS[how][0])
+    which reads q and k grouped as chunk_fwd does (G heads; `repeat` stays materialized); the
+    step and the cache it writes are exact."""
+    spread, want = REPEATS[how]
+    fn = _decode(spread)
     args = _decode_args()
     with torch.no_grad():
-        want_o = fn(*(x.double() for x in args[:4]), args[4].double().clone())
+        want_cache = args[4].double().clone()
+        want_o = fn(*(x.double() for x in args[:4]), want_cache)
         got, heads = _op_q_heads(fn, args)
-    assert heads == [H]
+    assert heads == [want]
     assert counters["gla_inductor"]["rewrites"] == 1
     assert (got[0].double() - want_o).abs().max() <= 1e-5 * want_o.abs().max()
+    assert (args[4].double() - want_cache).abs().max() <= 1e-5 * want_cache.abs().max()
 
 
 @pytest.mark.parametrize("how", list(REPEATS))

@@ -458,8 +458,8 @@ def _build_match(an, chain, reads, asm, last, reverse) -> Match:
     def apply(txn) -> None:
         em = Emitter(txn, plan.anchor, sizes, letters.splits)
         wb = plan.fused_write_back()
-        # fused_recurrent takes its heads from q: grouped q/k only reach chunk_fwd
-        call = _emit_inputs(em, last, decay, gate_kind, gate_letters, grouped=wb is None)
+        # both ops read q/k shared by groups of heads: a repeat over the heads is not materialized
+        call = _emit_inputs(em, last, decay, gate_kind, gate_letters)
         call = call.replace(scale=scale, reverse=reverse)
         if wb is not None:
             o = placement.emit_fused(em, call, wb, last["state_groups"])
