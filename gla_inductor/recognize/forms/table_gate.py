@@ -135,17 +135,18 @@ def _affine(p: torch.Tensor, axis: Optional[int]) -> Optional[tuple]:
     """(c0, c_0, ..., c_{d-1}) with p = c0 + sum_a c_a * index_a wherever p is not NaN (the
     head axis has coefficient 0: the exponent table is shared by the heads), or None."""
     idx = torch.meshgrid(*[torch.arange(s, dtype=torch.float64) for s in p.shape], indexing="ij")
-    feats = torch.stack([torch.ones_like(p)] + [i for a, i in enumerate(idx) if a != axis], -1).reshape(-1, p.dim() + (axis is None))
+    free = [a for a, s in enumerate(p.shape) if a != axis and s > 1]  # size-1 axes: coefficient 0
+    feats = torch.stack([torch.ones_like(p)] + [idx[a] for a in free], -1).reshape(-1, 1 + len(free))
     vals = p.reshape(-1)
     keep = ~torch.isnan(vals)
     if not bool(keep.any()) or not bool(torch.isfinite(vals[keep]).all()):
         return None
-    sol = torch.linalg.lstsq(feats[keep], vals[keep, None]).solution[:, 0]
+    sol = torch.linalg.lstsq(feats[keep], vals[keep, None], driver="gelsd").solution[:, 0]
     if ((feats[keep] @ sol - vals[keep]).abs() > FIT_TOL * (1 + vals[keep].abs())).any():
         return None
-    coefs = [float(c) for c in sol]
-    if axis is not None:
-        coefs.insert(1 + axis, 0.0)
+    coefs = [float(sol[0])] + [0.0] * p.dim()
+    for a, c in zip(free, sol[1:]):
+        coefs[1 + a] = float(c)
     return tuple(coefs)
 
 

@@ -1,0 +1,180 @@
+"""The GLA-family PyTorch fallbacks of transformers' models, compiled with the backend.
+
+Surveyed in transformers' ``models/*/modeling_*.py``: the Mamba2 SSD scan (``torch_forward``,
+``segment_sum``) in Mamba2, Bamba, Zamba2, FalconH1, NemotronH and GraniteMoeHybrid; MiniMax's
+lightning attention (a chunk loop over decay tables held in buffers); look-alikes that are not
+GLA: Mamba v1's selective scan (a decay over both state axes), Gated DeltaNet in Qwen3-Next (the
+delta rule; also Qwen3.5, OLMo-hybrid), and RWKV-4's WKV (normalized, with a bonus for the
+current token).
+
+Per model: a tiny random configuration whose GLA layers are initialized like trained weights
+(transformers' default init leaves the mixer's output too small to move the logits, so a broken
+op could hide: the tests check that it does move them); prefill without and with a cache, a
+cached one-token decode where the model has one; one rewrite per GLA layer; logits equal to
+eager's; a training step's gradients equal. Graphs run the rewritten Dynamo graph eagerly
+(``tests/e2e/test_models.py`` says why). ``test_models.py`` holds the Mamba2 and delta-rule
+tests this file does not repeat.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import gla_inductor
+
+from helpers import rel_err, rewrite_then_eager
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.usefixtures("one_thread", "seeded_compiler"), pytest.mark.compat]
+
+TOL = 1e-4  # fp32 logits and gradients, relative to their largest magnitude
+VOCAB, T_PREFILL = 32, 13  # 13: a partial last chunk at chunk sizes 4 and 8
+
+
+def rewrites() -> int:
+    n = counters["gla_inductor"]["rewrites"]
+    counters.clear()
+    return n
+
+
+# ---- models ---------------------------------------------------------------------------------
+def bamba():
+    cfg = transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=8, mamba_expand=2)
+    return transformers.BambaForCausalLM(cfg), 1
+
+
+def zamba2():
+    cfg = transformers.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
+        mamba_d_state=8, mamba_expand=2, n_mamba_heads=4, mamba_ngroups=2, chunk_size=8, intermediate_size=32,
+        num_attention_heads=2, num_key_value_heads=2, use_mamba_kernels=False, num_mem_blocks=1)
+    return transformers.Zamba2ForCausalLM(cfg), 2
+
+
+def falcon_h1():
+    cfg = transformers.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+        mamba_chunk_size=8, mamba_expand=2)
+    return transformers.FalconH1ForCausalLM(cfg), 2
+
+
+def nemotron_h():
+    cfg = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, layers_block_type=["mamba", "attention", "mamba"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=32, ssm_state_size=8, mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=2, expand=2, chunk_size=8, use_mamba_kernels=False)
+    return transformers.NemotronHForCausalLM(cfg), 2
+
+
+def granite_moe_hybrid():
+    cfg = transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1,
+        shared_intermediate_size=32, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=16,
+        mamba_chunk_size=8, mamba_expand=2)
+    return transformers.GraniteMoeHybridForCausalLM(cfg), 1
+
+
+def minimax():
+    cfg = transformers.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, block_size=4, layer_types=["linear_attention", "full_attention"],
+        num_local_experts=2, num_experts_per_tok=1)
+    return transformers.MiniMaxForCausalLM(cfg), 1
+
+
+def gla_layers(model) -> list:
+    """The GLA mixers: Mamba2-style (A_log, dt_bias) and lightning attention (slope buffers)."""
+    return [m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "dt_bias") or hasattr(m, "slope_rate")]
+
+
+@torch.no_grad()
+def like_trained(model, seed: int = 0):
+    """Decays and output projections at the scale of trained weights: A = -exp(A_log) in [-8, -1],
+    dt ~ softplus(dt_bias) ~ 0.1-1 (decays ~0.3-0.9 per step, so the state matters), out_proj
+    large enough that the mixer moves the residual stream; MiniMax's slopes (and the tables
+    computed from them) steeper, as in its later layers."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in gla_layers(model):
+        if hasattr(m, "A_log"):
+            m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0, 2, generator=gen))
+            m.dt_bias.copy_(torch.empty_like(m.dt_bias).uniform_(-2, 0.5, generator=gen))
+        else:
+            m.slope_rate.mul_(4)
+            q, k, d = m.decay_factors(m.slope_rate)
+            m.query_decay.copy_(q), m.key_decay.copy_(k), m.diagonal_decay.copy_(d)
+        m.out_proj.weight.normal_(0, 0.5, generator=gen)
+    return model
+
+
+def mixer_matters(model, ids) -> float:
+    """How far the logits move when every GLA layer's output projection is zeroed."""
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        zeroed = copy.deepcopy(model)
+        for m in gla_layers(zeroed):
+            m.out_proj.weight.zero_()
+        return rel_err(zeroed(ids, use_cache=False).logits, want)
+
+
+def cache_of(out):
+    return getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)
+
+
+def call(model, ids, cache=None):
+    if cache is None:
+        return model(ids, use_cache=True)
+    try:
+        return model(ids, past_key_values=cache, use_cache=True)
+    except TypeError:
+        return model(ids, cache_params=cache, use_cache=True)
+
+
+MODELS = {"bamba": bamba, "zamba2": zamba2, "falcon_h1": falcon_h1, "nemotron_h": nemotron_h,
+          "granite_moe_hybrid": granite_moe_hybrid, "minimax": minimax}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prefill_and_decode(name, no_cost_rule):
+    """Prefill without a cache, prefill into a cache, one cached decode step: one rewrite per GLA
+    layer each time (the decode step with the cost rule off, as on a GPU), logits as eager's."""
+    model, layers = MODELS[name]()
+    model = like_trained(model.eval())
+    ids = torch.randint(0, VOCAB, (2, T_PREFILL), generator=torch.Generator().manual_seed(1))
+    assert mixer_matters(model, ids) > 0.05
+    compiled = torch.compile(model, backend=rewrite_then_eager, dynamic=False)
+    counters.clear()
+    with torch.no_grad():
+        assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL
+        assert rewrites() == layers
+        e, c = call(model, ids), call(compiled, ids)
+        assert rel_err(c.logits, e.logits) <= TOL
+        assert rewrites() == layers
+        step = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(2))
+        e, c = call(model, step, cache_of(e)), call(compiled, step, cache_of(c))
+        assert rel_err(c.logits, e.logits) <= TOL
+        assert rewrites() == layers
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_step(name):
+    """One rewrite per GLA layer in training, and every parameter's gradient as eager's."""
+    model, layers = MODELS[name]()
+    model = like_trained(model.train())
+    ids = torch.randint(0, VOCAB, (2, T_PREFILL), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend=rewrite_then_eager, dynamic=False)
+    counters.clear()
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(compiled(ids, use_cache=False).logits.square().mean(), params, allow_unused=True)
+    assert rewrites() == layers
+    want = torch.autograd.grad(model(ids, use_cache=False).logits.square().mean(), params, allow_unused=True)
+    for (n, _), g, w in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], got, want):
+        if w is not None:
+            assert rel_err(g, w) <= TOL, n
