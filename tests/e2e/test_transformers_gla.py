@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import gla_inductor
+from gla_inductor.backend import rewrite
 
-from helpers import rel_err, rewrite_then_eager
+from helpers import rel_err, rel_err_floor, rewrite_then_eager
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,19 +141,21 @@ MODELS = {"bamba": bamba, "zamba2": zamba2, "falcon_h1": falcon_h1, "nemotron_h"
           "granite_moe_hybrid": granite_moe_hybrid, "minimax": minimax}
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_prefill_and_decode(name, no_cost_rule):
-    """Prefill without a cache, prefill into a cache, one cached decode step: one rewrite per GLA
-    layer each time (the decode step with the cost rule off, as on a GPU), logits as eager's."""
+def prepared(name: str, train: bool = False):
     model, layers = MODELS[name]()
-    model = like_trained(model.eval())
+    model = like_trained(model.train(train))
     ids = torch.randint(0, VOCAB, (2, T_PREFILL), generator=torch.Generator().manual_seed(1))
-    assert mixer_matters(model, ids) > 0.05
-    compiled = torch.compile(model, backend=rewrite_then_eager, dynamic=False)
+    return model, layers, ids, torch.compile(model, backend=rewrite_then_eager, dynamic=False)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cached_prefill_and_decode(name, no_cost_rule):
+    """Prefill into a cache, then one cached decode step: one rewrite per GLA layer each time
+    (the decode step with the cost rule off, as on a GPU), logits and states as eager's."""
+    model, layers, ids, compiled = prepared(name)
+    assert mixer_matters(model, ids) > 0.05  # a broken op would show in the logits
     counters.clear()
     with torch.no_grad():
-        assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL
-        assert rewrites() == layers
         e, c = call(model, ids), call(compiled, ids)
         assert rel_err(c.logits, e.logits) <= TOL
         assert rewrites() == layers
@@ -163,18 +165,123 @@ def test_prefill_and_decode(name, no_cost_rule):
         assert rewrites() == layers
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prefill_without_cache(name):
+    model, layers, ids, compiled = prepared(name)
+    counters.clear()
+    with torch.no_grad():
+        assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL
+    assert rewrites() == layers
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_training_step(name):
-    """One rewrite per GLA layer in training, and every parameter's gradient as eager's."""
-    model, layers = MODELS[name]()
-    model = like_trained(model.train())
-    ids = torch.randint(0, VOCAB, (2, T_PREFILL), generator=torch.Generator().manual_seed(1))
-    compiled = torch.compile(model, backend=rewrite_then_eager, dynamic=False)
+    """Without a cache, in training: one rewrite per GLA layer, logits and every parameter's
+    gradient as eager's (gradients that cancel to rounding noise, a router's, against a floor)."""
+    model, layers, ids, compiled = prepared(name, train=True)
     counters.clear()
-    params = [p for p in model.parameters() if p.requires_grad]
-    got = torch.autograd.grad(compiled(ids, use_cache=False).logits.square().mean(), params, allow_unused=True)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    got = compiled(ids, use_cache=False).logits
     assert rewrites() == layers
-    want = torch.autograd.grad(model(ids, use_cache=False).logits.square().mean(), params, allow_unused=True)
-    for (n, _), g, w in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], got, want):
+    want = model(ids, use_cache=False).logits
+    assert rel_err(got, want) <= TOL
+    gg = torch.autograd.grad(got.square().mean(), [p for _, p in params], allow_unused=True)
+    gw = torch.autograd.grad(want.square().mean(), [p for _, p in params], allow_unused=True)
+    floor = 1e-3 * max(w.abs().max().item() for w in gw if w is not None)
+    for (n, _), g, w in zip(params, gg, gw):
         if w is not None:
-            assert rel_err(g, w) <= TOL, n
+            assert rel_err_floor(g, w, floor) <= TOL, n
+
+
+def test_minimax_slopes_changed_after_compiling():
+    """MiniMax's decay tables are buffers computed from its slopes: retuned after compiling (and
+    the tables recomputed from them, in place), the compiled model follows without recompiling;
+    one table changed alone, the guard refuses to run."""
+    model, _, ids, compiled = prepared("minimax")
+    counters.clear()
+    with torch.no_grad():
+        compiled(ids, use_cache=False)
+        assert rewrites() == 1
+        attn = gla_layers(model)[0]
+        attn.slope_rate.mul_(0.5)
+        q, k, d = attn.decay_factors(attn.slope_rate)
+        attn.query_decay.copy_(q), attn.key_decay.copy_(k), attn.diagonal_decay.copy_(d)
+        assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL
+        assert rewrites() == 0  # no recompilation
+        attn.query_decay.mul_(0.9)
+        with pytest.raises(RuntimeError, match="decay buffer"):
+            compiled(ids, use_cache=False)
+
+
+def test_minimax_reports_no_false_reason():
+    """The lightning attention's chunk loop is one rewrite; its state update is not reported as a
+    delta rule (it was, while the loop was not recognized)."""
+    model, _, ids, _ = prepared("minimax")
+    with torch.no_grad():
+        _, results = rewritten(model, ids, use_cache=False)
+    assert [m.form for r in results for m in r.matches] == ["chunked"]
+    assert not any("delta-rule" in nm.reason for r in results for nm in r.near_misses)
+
+
+# ---- look-alikes: left alone, equal to eager, with the reason --------------------------------
+def rewritten(fn, *args, **kwargs) -> tuple:
+    """(outputs, rewrite results) of fn compiled with the rewrite (what explain reports, without
+    Inductor's compile)."""
+    results = []
+
+    def backend(gm, example_inputs):
+        results.append(rewrite(gm, example_inputs))
+        return gm.forward
+
+    return torch.compile(fn, backend=backend)(*args, **kwargs), results
+
+
+def left_alone(fn, *args, **kwargs) -> list:
+    """Zero rewrites, outputs exactly eager's; the near misses' reasons."""
+    want = fn(*copy.deepcopy(args), **kwargs)
+    got, results = rewritten(fn, *args, **kwargs)
+    assert rewrites() == 0 and not any(r.matches for r in results)
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        if isinstance(w, torch.Tensor):
+            assert torch.equal(g, w)
+    return [nm.reason for r in results for nm in r.near_misses]
+
+
+def test_qwen3_next_gated_deltanet_reason():
+    """The delta rule, chunked: the near miss says so (test_models.py checks the whole model)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 11, 2, 8, generator=gen) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g, beta = torch.nn.functional.logsigmoid(torch.randn(2, 11, 2, generator=gen)), torch.rand(2, 11, 2, generator=gen)
+    reasons = left_alone(m.torch_recurrent_gated_delta_rule, q, k, v, g, beta, initial_state=None,
+                         output_final_state=True)
+    assert any("delta-rule" in r for r in reasons), reasons
+
+
+def test_mamba_v1_is_left_alone():
+    """Mamba v1's selective scan decays the state over both its axes (exp(A[d, n] * dt[d])):
+    not GLA, whose decay acts on K only."""
+    cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1,
+                                   expand=2, conv_kernel=4)
+    model = transformers.MambaForCausalLM(cfg).eval()
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reasons = left_alone(lambda x: model(x, use_cache=False).logits, ids)
+    if not reasons:  # the time-loop form reports no candidate for this loop (see the issue)
+        pytest.xfail("no near miss names Mamba v1's scan yet")
+    assert any("V" in r or "both" in r for r in reasons), reasons
+
+
+def test_rwkv4_is_left_alone():
+    """RWKV-4's WKV: an elementwise recurrence per channel (numerator and denominator, no k^T v
+    state), normalized, with a bonus for the current token."""
+    cfg = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
+                                  intermediate_size=16, context_length=16)
+    model = transformers.RwkvForCausalLM(cfg).eval()
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reasons = left_alone(lambda x: model(x, use_cache=False).logits, ids)
+    assert any("elementwise recurrence" in r for r in reasons), reasons
