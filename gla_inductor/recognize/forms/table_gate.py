@@ -11,11 +11,14 @@ the rewrite right when a buffer changes after compiling (a checkpoint loaded, sl
 - *the gate follows the buffers*: g_gamma[h] = log D[h, 1, 0] is computed in the graph from the
   intra-chunk decay's own factors (``static_decay.emit_log_gate``), so tables recomputed from
   new slopes reach the op;
-- *the other tables are guarded*: each module-state tensor the computation reads is fitted at
-  compile time as X = exp(g_h * P) or X = g_h * P with an exponent table P shared by the heads
-  (zeros kept as zeros), or else taken as it is; the graph checks, on every call, that X still
-  is that function of the gate it computed (or unchanged), and raises otherwise
-  (``torch._assert_async``) instead of returning values the certificate did not cover.
+- *every table is guarded*: each module-state tensor the computation reads is fitted at
+  compile time as X = exp(g_h * P) (0 where P < 0: the causal mask) or X = g_h * P, with P
+  affine in the positions and shared by the heads (query decays P = i + 1, key decays
+  P = C - 1 - j, diagonal decays P = i - j, the slope itself P = -1), else fingerprinted (a fixed
+  weighted sum of its values). On every call the graph rebuilds each table from the gate it
+  computed (or takes the fingerprint) and checks it (``torch._assert_async``): a table changed
+  into values the certificate did not cover raises instead of giving wrong outputs. The check
+  is elementwise over the tables, H·C·C numbers at most, next to a chunk loop over B·H·T·K·V.
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ def _grid(coefs: tuple, shape, axis: Optional[int]) -> torch.Tensor:
     return p
 
 
-def _weights(n: int, like=None) -> torch.Tensor:
+def _weights(n: int) -> torch.Tensor:
     """Fixed pseudo-random weights of a fingerprint, the same in the graph and here."""
     return torch.sin(torch.arange(n, dtype=torch.float32) * 0.7548776662 + 0.5)
 
