@@ -6,6 +6,7 @@ run-time guard) when they stop being one gate's tables."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from gla_inductor.recognize.forms import table_gate
 
@@ -92,6 +93,42 @@ def test_tables_changed_after_compiling_are_followed_or_refused():
         assert rel_err(g, w) <= TOL
     # one table alone changed: no longer one gate's tables, the guard refuses to run
     model.key_decay.mul_(0.5)
+    with pytest.raises(RuntimeError, match="decay buffer"):
+        compiled(*args)
+
+
+class MaskedTableChunkLoop(TableChunkLoop):
+    """The diagonal decay unmasked, times a separate 0/1 causal mask buffer: a table that is no
+    function of the gate, guarded by its fingerprint."""
+
+    def __init__(self, heads: int, chunk: int):
+        super().__init__(heads, chunk, five_d=False)
+        self.register_buffer("mask", torch.ones(chunk, chunk).tril())
+        with torch.no_grad():
+            n = self.positions
+            self.diagonal_decay.copy_(torch.exp(-self.slope[:, None, None] * (n[:, None] - n[None, :])))
+
+    def forward(self, q, k, v):
+        B, H, T, K = q.shape
+        C, N = self.chunk, q.shape[2] // self.chunk
+        S, out = q.new_zeros(B, H, K, v.shape[-1]), []
+        for c in range(N):
+            qc, kc, vc = (x[:, :, c * C:(c + 1) * C] for x in (q, k, v))
+            decay = self.diagonal_decay * self.mask
+            out.append(((qc @ kc.transpose(-1, -2)) * decay) @ vc + (qc * self.query_decay) @ S)
+            S = S * self.block_decay + (kc * self.key_decay).transpose(-1, -2) @ vc
+        return torch.cat(out, dim=2), S
+
+
+def test_a_mask_buffer_is_guarded_by_value():
+    model = MaskedTableChunkLoop(heads=3, chunk=4)
+    args = inputs()
+    compiled = torch.compile(model, backend=rewrite_then_eager, dynamic=False)
+    counters.clear()
+    for g, w in zip(compiled(*args), model(*args)):
+        assert rel_err(g, w) <= TOL
+    assert counters["gla_inductor"]["rewrites"] == 1
+    model.mask[0, 1] = 1.0  # no longer causal
     with pytest.raises(RuntimeError, match="decay buffer"):
         compiled(*args)
 
