@@ -15,9 +15,10 @@ from ..core.consts import example_value
 from ..core.op_names import op_name
 
 
-def subgraph(an: Analyzer, outputs: list, cut: set) -> tuple[set, set, dict]:
+def subgraph(an: Analyzer, outputs: list, cut: set, static: bool = True) -> tuple[set, set, dict]:
     """(nodes, frontier, consts): the nodes between `cut` and `outputs`, the data they read
-    that is neither cut nor analytic (placeholders, other ops), and their constants. The
+    that is neither cut nor analytic (placeholders, other ops), and their constants (with
+    `static`, values computed from module state too: decay tables in buffers). The
     in-place writes into their memory (through any alias) before the last output belong to
     the computation; later ones (a cache the final state is copied into) do not."""
     stop = max(an.order[o] for o in outputs)
@@ -35,7 +36,7 @@ def subgraph(an: Analyzer, outputs: list, cut: set) -> tuple[set, set, dict]:
             consts[n] = "empty"
             stack += writes(n)
             continue
-        if an.consts.is_const(n) or _factory(n):
+        if an.consts.is_const(n) or _factory(n) or static and an.consts.is_static(n):
             consts[n] = None
             if _factory(n):  # a buffer the code fills in place
                 stack += writes(n)
@@ -107,8 +108,16 @@ def evaluate_consts(an: Analyzer, consts: dict) -> bool:
         val = example_value(n)
         if consts[n] == "empty" or n.op == "call_function" and n.target is torch.empty:
             consts[n] = torch.full(tuple(val.shape), float("nan"), dtype=val.dtype)
-        else:
+        elif an.consts.is_const(n) or _factory(n):
             consts[n] = an.consts.evaluate(n)
+        else:  # module state at its compile-time value (``reads_module_state`` says so)
+            consts[n] = an.consts.evaluate_static(n)
         if consts[n] is None and isinstance(val, torch.Tensor):
             return False
     return True
+
+
+def reads_module_state(an: Analyzer, consts: dict) -> list:
+    """The constants whose values come from module state (buffers, parameters) rather than
+    from the code: a rewrite that bakes them in must follow or guard them at run time."""
+    return [n for n in consts if not an.consts.is_const(n) and not _factory(n) and not _uninitialized(n)]

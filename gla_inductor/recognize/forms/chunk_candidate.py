@@ -14,7 +14,7 @@ import torch
 from ..certify.certificate import CertificateTooLarge, certify, first_too_large
 from ..certify.probe import fitted_gamma
 from ..certify.spec import Spec, emit_replacement
-from ..certify.subgraph import is_analytic, subgraph
+from ..certify.subgraph import is_analytic, reads_module_state, subgraph
 from ..core import placement
 from ..core.analyzer import Analyzer
 from ..core.consts import example_value, is_inplace, written_args
@@ -50,8 +50,9 @@ def readings(an: Analyzer, base: Spec):
     computation reads, in the order they are tried (uncertified; a constant gate to fit is
     left as gate "fit")."""
     core = {base.q.node, base.k.node, base.v.node}
-    nodes, frontier, _ = subgraph(an, base.outputs(), core)
-    for gate in _gate_options(an, base, nodes | frontier):
+    nodes, frontier, _ = subgraph(an, base.outputs(), core, static=False)  # buffers may be gates
+    tables = reads_module_state(an, subgraph(an, base.outputs(), core)[2])
+    for gate in _gate_options(an, base, nodes | frontier, fit_first=bool(tables)):
         cut = core | ({gate.g.node} if gate.g is not None else set())
         nodes, frontier, consts = subgraph(an, [base.out], cut)
         for h0, h0_groups in _state_options(base, frontier):
@@ -62,9 +63,13 @@ def readings(an: Analyzer, base: Spec):
                 yield replace(gate, h0=h0, h0_groups=h0_groups, final=final, final_groups=final_groups)
 
 
-def _gate_options(an: Analyzer, base: Spec, nodes: set):
+def _gate_options(an: Analyzer, base: Spec, nodes: set, fit_first: bool = False):
     """Specs with a gate: none; each slice node shaped like a log gate (or, for a constant
-    gate, like a decay per head); last, a constant decay read off the code itself."""
+    gate, like a decay per head); last, a constant decay read off the code itself. That one
+    first where the code reads decay tables from module state (buffers computed once from
+    per-head slopes): a gate input would leave the tables fixed while the certificate varies it."""
+    if fit_first:
+        yield replace(base, gate="fit")
     yield base
     # nearest the output first; cumulative log decays (a gate's cumsum) after every gate-shaped node
     cands = sorted(nodes, key=lambda n: (cumulative(n), -an.order[n]))
@@ -77,7 +82,8 @@ def _gate_options(an: Analyzer, base: Spec, nodes: set):
                 yield replace(base, g=LFactor(n, letters), gate=kind)
                 if kind == "constant":
                     yield replace(base, g=LFactor(n, letters), gate=kind, gate_is_log=False)
-    yield replace(base, gate="fit")
+    if not fit_first:
+        yield replace(base, gate="fit")
 
 
 def _state_options(base: Spec, frontier: set) -> list:
@@ -105,13 +111,16 @@ def _final_options(an: Analyzer, base: Spec, nodes: set, leaves: set):
             break  # nothing computed from the subgraph lately: the search is over (and linear)
         if n in derived or not n.all_input_nodes or not is_analytic(an, n) or is_inplace(n):
             continue
-        if all(x in derived or an.consts.is_const(x) for x in n.all_input_nodes):
+        ins = n.all_input_nodes  # from the subgraph, and constants or module state (a block decay)
+        if any(x in derived for x in ins) and all(x in derived or an.consts.is_static(x) for x in ins):
             derived.add(n)
             last = max(last, an.order[n])
             val = example_value(n)
             if isinstance(val, torch.Tensor) and val.is_floating_point() and n.users:
                 cands.append(n)
     for n in reversed(cands):
+        if all(u in derived for u in n.users):
+            continue  # read only by the computation itself: a partial state, not the one it returns
         for ls in letterings(tuple(example_value(n).shape), "bhkv", base.sizes):
             yield n, list(ls)
     yield None, []
@@ -148,13 +157,25 @@ def _local_writes(an: Analyzer, nodes: set, consts: dict, outputs: list) -> list
     return writes
 
 
-def match_of(an: Analyzer, spec: Spec) -> Match:
+def module_state_reads(an: Analyzer, spec: Spec) -> list:
+    """The constants of the certified subgraph that hold module state (decay tables)."""
+    return reads_module_state(an, subgraph(an, spec.outputs(), set(spec.leaves().values()))[2])
+
+
+def match_of(an: Analyzer, spec: Spec, in_graph_gate=None) -> Match:
+    """`in_graph_gate(emitter)`: the constant log gate computed in the graph from the module
+    state the subgraph reads (``table_gate.py``); required where it reads any."""
     deps = list(spec.leaves().values())
     anchor = min(spec.outputs(), key=an.order.__getitem__)
     late = [d.name for d in deps if an.order[d] >= an.order[anchor]]
     if late:
         raise Reject(f"inputs {late} are computed after the output")
     nodes, _, consts = subgraph(an, spec.outputs(), set(deps))
+    state = reads_module_state(an, consts)
+    if state and in_graph_gate is None:
+        names = sorted({n.name for n in state})[:3]
+        raise Reject(f"the chunked computation reads module state ({', '.join(names)}) that the op's gate "
+                     "would not follow after compiling")
     writes = _local_writes(an, nodes, consts, spec.outputs())
     if any(an.order[w] > an.order[anchor] for w in writes):
         raise Reject("the chunked computation writes into its output after computing it")
@@ -167,7 +188,12 @@ def match_of(an: Analyzer, spec: Spec) -> Match:
 
     def apply(txn) -> None:
         em = Emitter(txn, anchor, spec.sizes, spec.splits)
-        o, ht = emit_replacement(em, spec, spec.leaves(), shared)
+        emitted = spec
+        if in_graph_gate is not None:
+            g = in_graph_gate(em)
+            letters = "h" if spec.sizes["h"] != 1 else "1"
+            emitted = replace(spec, g=LFactor(g, letters), gate="constant", gate_is_log=True, gamma=None)
+        o, ht = emit_replacement(em, emitted, emitted.leaves(), shared)
         txn.replace_all_uses(spec.out, o)
         if ht is not None:
             txn.replace_all_uses(spec.final, ht)

@@ -23,7 +23,8 @@ from ..core.consts import example_value
 from ..core.emit import LFactor
 from ..core.match import Match, Reject
 from ..core.op_names import VIEW_OPS, op_name
-from .chunk_candidate import MAX_CANDIDATES, complete, letterings, match_of
+from . import table_gate
+from .chunk_candidate import MAX_CANDIDATES, complete, letterings, match_of, module_state_reads
 from .intra_chunk import role_sizes
 
 MAX_SOURCE_DEPTH = 6  # views between a chunk's slice and the tensor it is cut from
@@ -46,14 +47,14 @@ def analyze(an: Analyzer, asm, elems: list) -> Match:
     _, term, r = elems[0]
     sizes = role_sizes(an, r)
     sources = {role: _source(an, [getattr(e[2], role).atom.node for e in elems]) for role in "qkv"}
-    sizes["t"] = _length(sources["q"][0], sizes)
+    sizes["t"] = _length(sources["q"][-1], sizes)
     out = _output(an, asm)
     too_large = None
     for q, k, v in _leaf_options(sources, sizes):
         for out_letters in letterings(tuple(example_value(out).shape), "bthv", sizes):
             base = Spec(q, k, v, None, "none", None, [], out, list(out_letters), None, [], term[0], sizes)
             try:
-                return match_of(an, complete(an, base))
+                return _match(an, complete(an, base), elems[0])
             except CertificateTooLarge as e:
                 too_large = first_too_large(too_large, e)
             except Reject:
@@ -61,8 +62,23 @@ def analyze(an: Analyzer, asm, elems: list) -> Match:
     raise too_large or Reject("no reading of the chunk loop as GLA was certified")
 
 
+def _match(an: Analyzer, spec: Spec, first) -> Match:
+    """The rewrite of a certified loop; where it reads decay tables from module state, with the
+    gate computed from them in the graph and the tables guarded (``table_gate.py``)."""
+    reads = module_state_reads(an, spec)
+    if not reads:
+        return match_of(an, spec)
+    if spec.gamma is None:
+        raise Reject("the chunk loop reads module state besides its gate input: a change after compiling "
+                     "would not reach the op")
+    _, term, roles = first
+    tg = table_gate.read(an, term, roles, spec.gamma, reads)
+    return match_of(an, spec, lambda em: table_gate.emit(em, an, tg))
+
+
 def _length(q: fx.Node, sizes: dict) -> int:
-    """The sequence length: what the tensor the chunks cut q from holds besides B, H, K."""
+    """The sequence length: what the tensor the chunks cut q from (the nearest; a fused
+    projection further up holds k and v too) holds besides B, H, K."""
     numel = example_value(q).numel()
     rest = sizes["b"] * sizes["h"] * sizes["k"]
     if not isinstance(numel, int) or numel % rest:

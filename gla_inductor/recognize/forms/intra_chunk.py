@@ -79,21 +79,25 @@ def seeds(an: Analyzer) -> dict:
         if av is None or av.keep is not None or op_name(n) in ("getitem", "select"):
             continue
         for term in av.terms:
-            roles = _roles(av, term)
+            roles = _roles(an, av, term)
             if roles is not None:
                 found[n] = (term, roles)
                 break
     return {n: x for n, x in found.items() if not any(u in found and op_name(u) in VIEW_OPS for u in n.users)}
 
 
-def _roles(av: AV, term) -> Optional[Roles]:
+def _roles(an: Analyzer, av: AV, term) -> Optional[Roles]:
     coef, fs = term
-    atoms = [f for f in fs if f.kind == "atom"]
-    if len(atoms) != 3 or not any(f.kind in ("exp", "const", "tri") for f in fs):
+    # a decay table held in module state (a buffer computed once from per-head slopes) is a
+    # factor of the decay like a mask, not a fourth input
+    atoms = [f for f in fs if f.kind == "atom" and not an.consts.is_static(f.atom.node)]
+    data = {id(f) for f in atoms}
+    decays = [f for f in fs if id(f) not in data and f.kind in ("exp", "const", "tri", "atom")]
+    if len(atoms) != 3 or not decays:
         return None  # three inputs under a decay or mask
     ov = out_vars(av.out)
     summed = mono_vars(term) - ov
-    other_vars = set().union(*[factor_vars(f) for f in fs if f.kind != "atom"])
+    other_vars = set().union(*[factor_vars(f) for f in fs if id(f) not in data])
 
     def holders(x):
         return [f for f in atoms if x in factor_vars(f)]

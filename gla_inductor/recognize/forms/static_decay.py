@@ -57,11 +57,13 @@ class StaticGate:
     kind: str  # "constant" or "none"
     reverse: bool
     reads: list  # the graph nodes the log gate is computed from
+    gammas: Optional[torch.Tensor] = None  # D[1, 0] per head (float64), at compile time
 
 
-def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict) -> StaticGate:
+def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict, perturb: bool = True) -> StaticGate:
     """The constant gate of the decay (the product of `factors`), or Reject saying which fact
-    about D failed, as expected against found."""
+    about D failed, as expected against found. Without `perturb`, for values of the module
+    state at compile time only (the caller guards them at run time: ``table_gate.py``)."""
     heads = [x for x in batch if letter.get(x) == "h" or letter.get(x, "").isupper()]  # (parts of the heads)
     for f in factors:
         extra = factor_vars(f) - {i, j} - set(heads)
@@ -73,7 +75,7 @@ def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict)
     if D is None:
         raise Reject("the decay depends only on positions and buffers but could not be evaluated")
     reverse = _check(D.reshape(-1, D.shape[-2], D.shape[-1]))
-    state = _perturbed_state(an, factors)
+    state = _perturbed_state(an, factors) if perturb else {}
     if state:
         D2 = _evaluate(an, factors, axes, state)
         try:
@@ -86,7 +88,7 @@ def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict)
     gammas = _gammas(D.reshape(-1, D.shape[-2], D.shape[-1]), reverse)
     buffered = any(_reads_state(an, f) for f in factors)
     kind = "constant" if buffered or not torch.all(gammas == 1) else "none"
-    return StaticGate(kind, reverse, _nodes(factors))
+    return StaticGate(kind, reverse, _nodes(factors), gammas)
 
 
 def _check(D: torch.Tensor) -> bool:
