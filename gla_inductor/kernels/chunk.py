@@ -44,7 +44,7 @@ from ..impl import prefix_states
 from . import configs
 from .configs import (ChunkConfig, TileConfig, carry_options, dqkg_block_k,
                       faulting_tile, interpreting, kernel_options, local_options, local_terms, scan_options,
-                      unsupported_reason)
+                      segsum_options, unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
 __all__ = ["backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
@@ -127,7 +127,9 @@ class _Launcher:
         return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
 
     def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
-             h0=None, h=None, ht=None, hp=None, prefix_interval: int = 0) -> None:
+             h0=None, h=None, ht=None, hp=None, prefix_interval: int = 0, segments: int = 1) -> None:
+        """gla_chunk_scan (see the template); with segments > 1, first the segments' sums
+        (``segment_sums``), then the walk, both in parallel over the segments."""
         tiles = self.cfg.states if not write_out else self.cfg.dual if dual else self.cfg.scan
         if self.device.type == "cuda" and faulting_tile(self.options["BK"], tiles, self.options["USE_GK"]):
             raise ValueError(f"gla_inductor: {tiles} for a vector gate with K = {self.K} is known to fault on the "
@@ -137,9 +139,28 @@ class _Launcher:
                                     use_h0=h0 is not None, store_ht=store_ht), BV=tiles.block_v)
         if hp is not None:
             options["PREFIX_STATES"] = prefix_interval
+        hs = ds = None
+        if segments > 1:
+            options["SEGMENTS"] = segments
+            hs, ds = self.scan_segment_sums(q if dual else k, v, dual, segments)
         tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None, hp=hp,
-                       cu_seqlens=self.cu_seqlens)
-        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.N, self.H, self.V, tiles.block_v), tiles)
+                       cu_seqlens=self.cu_seqlens, hs=hs, ds=ds)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_scan", options, tensors, out, grid, tiles)
+
+    def scan_segment_sums(self, x: Tensor, v: Tensor, dual: bool, segments: int) -> tuple[Tensor, Optional[Tensor]]:
+        """gla_chunk_segsum: (hs [N, P, H, K, V], ds [N, P, H(, K)] or None without a gate), the state
+        each of the P segments of a scan's walk leaves from a zero start and the decay across it."""
+        tiles = self.cfg.states
+        hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        gated = self.options["USE_GK"] or self.options["USE_G"] or self.options["USE_G_GAMMA"]
+        ds_shape = (self.N, segments, self.H) + ((self.K,) if self.options["USE_GK"] else ())
+        ds = torch.empty(ds_shape, dtype=torch.float32, device=self.device) if gated else None
+        options = dict(segsum_options(self.options, dual=dual, segments=segments), BV=tiles.block_v)
+        tensors = dict(x=x, v=v, **self.gates, ds=ds, cu_seqlens=self.cu_seqlens)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_segsum", options, tensors, hs, grid, tiles)
+        return hs, ds
 
     def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """gla_chunk_local: (qs, ks, A, dl), see the template."""
@@ -243,10 +264,12 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
                   ht=ht, segments=cfg.segments)
     elif cfg.split:
         h = run.states()
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht)
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht,
+                 segments=cfg.scan_segments)
         run.output(o, dual=False, q=q, k=k, v=v, h=h)
     else:
-        run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht)
+        run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht,
+                 segments=cfg.scan_segments)
     return o, ht
 
 
@@ -257,7 +280,8 @@ def forward_with_prefix_states(call: GLACall, interval: int, config: Optional[Ch
     for prefix caching (``impl.prefix_states`` and gla_chunk_scan's PREFIX_STATES say where). Fused
     schedule, not reverse."""
     call, cfg = _prepare(call, config)
-    cfg = dataclasses.replace(cfg, local=False, split=False, segments=1, block_t=min(cfg.block_t, interval))
+    cfg = dataclasses.replace(cfg, local=False, split=False, segments=1, scan_segments=1,
+                              block_t=min(cfg.block_t, interval))
     q, k, v = call.q, call.k, call.v
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
@@ -309,12 +333,14 @@ def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[
                   ht=dh0, segments=cfg.segments)
         del qs, ks, At
     elif cfg.split:
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
-        run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0)
+        P = cfg.bwd_scan_segments
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
+        run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0, segments=P)
         run.output(dv, dual=True, q=q, k=k, v=do, h=dh)
     else:
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
-        run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0)
+        P = cfg.bwd_scan_segments
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
+        run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0, segments=P)
     # constant gate: per-step gradients [B, T, H], summed over batch and time below
     dg_steps = None if g_gamma is None else q.new_empty(B, T, H, dtype=torch.float32)
     run.dqkg(dq, q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg if g_gamma is None else dg_steps)

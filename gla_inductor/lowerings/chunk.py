@@ -35,7 +35,7 @@ from torch.utils._sympy.functions import CeilDiv, FloorDiv
 from ..contract import CHUNK_BWD_ARGS, GLACall
 from ..kernels.chunk import varlen_state_slots
 from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
-                               kernel_options, local_options, local_terms, scan_options)
+                               kernel_options, local_options, local_terms, scan_options, segsum_options)
 from ..kernels.standalone import OUT, load_template, render_source
 from ..ops.dispatch import chunk_unsupported_reason
 
@@ -50,9 +50,9 @@ gla = torch.ops.gla_inductor
 
 @SymbolicGridFn
 def _scan_grid(BH, V, meta, *, cdiv):
-    """How are gla_chunk_scan and gla_chunk_carry parallelized? One program per (value tile,
-    batch * head) walks all chunks in order with its state slice on chip, or, in a carry cut into
-    segments, the chunks of its segment (see ``kernels.chunk.scan_grid``)."""
+    """How are gla_chunk_scan, gla_chunk_segsum and gla_chunk_carry parallelized? One program per
+    (value tile, batch * head) walks all chunks in order with its state slice on chip, or, in a walk
+    cut into segments, the chunks of its segment (see ``kernels.chunk.scan_grid``)."""
     return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1))
 
 
@@ -80,10 +80,12 @@ def _template(name: str, grid) -> TritonTemplate:
 SCAN = _template("gla_chunk_scan", _scan_grid)
 LOCAL = _template("gla_chunk_local", _local_grid)
 CARRY = _template("gla_chunk_carry", _scan_grid)
+SEGSUM = _template("gla_chunk_segsum", _scan_grid)
 DQKG = _template("gla_chunk_bwd_dqkg", _dqkg_grid)
 
 # the named arguments each template writes with tl.store (its main output goes through store_output)
-_WRITTEN = {SCAN.name: ("h", "ht"), LOCAL.name: ("qs", "ks", "dl"), CARRY.name: ("h", "ht"), DQKG.name: ("dk", "dg")}
+_WRITTEN = {SCAN.name: ("h", "ht"), LOCAL.name: ("qs", "ks", "dl"), CARRY.name: ("h", "ht"), DQKG.name: ("dk", "dg"),
+            SEGSUM.name: ("ds",)}
 
 
 def _written(template: TritonTemplate, options: dict) -> tuple[str, ...]:
@@ -250,14 +252,36 @@ class _Plan:
         T = self.T
         return varlen_state_slots(T, self.N, block_t) if isinstance(T, int) else FloorDiv(T, block_t) + self.N
 
-    def scan(self, layout, tiles: TileConfig, *, write_out: bool, dual: bool, store_states: bool, **tensors):
-        """gla_chunk_scan (see its template): returns the main output; ``h`` and ``ht`` are written."""
+    def scan(self, layout, tiles: TileConfig, *, write_out: bool, dual: bool, store_states: bool, segments: int = 1,
+             **tensors):
+        """gla_chunk_scan (see its template): returns the main output; ``h`` and ``ht`` are written.
+        With segments > 1, after the segments' sums (``scan_segment_sums``)."""
         tensors = {n: t for n, t in {**tensors, **self.gates, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
         options = scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                use_h0="h0" in tensors, store_ht="ht" in tensors)
+        if segments > 1:
+            options["SEGMENTS"] = segments
+            hs, ds = self.scan_segment_sums(tensors["q" if dual else "k"], tensors["v"], dual, segments)
+            tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
         return self._select(SCAN, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=t.block_v, tiles=t)
                              for t in _tile_choices(tiles, int(self.V), self.options["BK"], self.options["USE_GK"])])
+
+    def scan_segment_sums(self, x, v, dual: bool, segments: int):
+        """gla_chunk_segsum: (hs, ds), the state each segment of a scan's walk leaves from a zero
+        start (main output) and the decay across it (None without a gate)."""
+        N, H, K = self.N, self.H, self.K
+        o = self.options
+        ds = None
+        if o["USE_GK"] or o["USE_G"] or o["USE_G_GAMMA"]:
+            ds = _empty((N, segments, H) + ((K,) if o["USE_GK"] else ()), torch.float32, self.device)
+        tensors = {n: t for n, t in dict(x=x, v=v, **self.gates, ds=ds, cu_seqlens=self.cu_seqlens).items()
+                   if t is not None}
+        tiles = self.cfg.states
+        layout = _layout(self.device, torch.float32, (N, segments, H, K, self.V))
+        hs = self._select(SEGSUM, segsum_options(o, dual=dual, segments=segments), tensors, layout,
+                          [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
+        return hs, ds
 
     def local(self, q, k, *, transpose: bool):
         """gla_chunk_local: (qs, ks, A, dl), the chunk-local terms (see the template); dl is None
@@ -375,7 +399,7 @@ def chunk_fwd(*args, **kwargs):
                        h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.segments)
     else:
         o = plan.scan(layout, plan.cfg.scan, write_out=True, dual=False, store_states=False, q=q, k=k, v=v,
-                      h0=initial_state, ht=ht if output_final_state else None)
+                      h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.scan_segments)
     return o, ht
 
 
@@ -410,9 +434,11 @@ def chunk_bwd(*args, **kwargs):
         dv = plan.carry(dv_layout, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl,
                         h0=dht, h=dh, ht=dh0 if initial_state is not None else None, segments=cfg.segments)
     else:
-        h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
+        P = cfg.bwd_scan_segments
+        h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state,
+                      segments=P)
         dv = plan.scan(dv_layout, cfg.dual, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht,
-                       h=dh, ht=dh0 if initial_state is not None else None)
+                       h=dh, ht=dh0 if initial_state is not None else None, segments=P)
     # dq (main output), dk, dg; a constant gate's per-step gradients are summed over batch and time.
     # q and k shared by groups of heads: dq and dk per head of v in fp32, summed over the groups below
     group = plan.group
