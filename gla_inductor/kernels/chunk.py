@@ -21,9 +21,18 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
               dual carry, dqkg). A long sequence with few heads cuts each carry's walk into
               segments walked in parallel (``carry_segments``), one more launch per carry.
 
+  segments (``ChunkConfig.scan_segments``, forward; ``bwd_scan_segments``, the backward's two
+    scans; ``configs.scan_segments`` picks them for scalar, constant and no gates where the
+    programs leave SMs idle): a gla_chunk_scan walk of the fused or split schedule is cut into P
+    segments walked in parallel, after a gla_chunk_segsum launch that writes each segment's state
+    from a zero start and its decay; each segment's program folds the ones before it into its start
+    state. One more launch and one more read of k and v (q and do in the dual) per scan, for P times
+    the programs, each walking NT / P chunks.
+
 Packed sequences (``call.cu_seqlens``) run the fused schedule only, whatever the config says: the
 scans take one program per (V tile, sequence * head), each walking its own sequence's chunks from
-offsets read on the device; gla_chunk_bwd_dqkg runs over state slots (``varlen_state_slots``),
+offsets read on the device (in segments too: each sequence's walk is cut into its own P segments);
+gla_chunk_bwd_dqkg runs over state slots (``varlen_state_slots``),
 each program finding its sequence in the offsets. Nothing reads the offsets on the host, so a
 packed call can be captured in a CUDA graph. The local and split schedules stay fixed-length.
 

@@ -7,7 +7,8 @@ renders standalone (``kernels/standalone.py``); tiles and options come from ``ke
 compiled graph and an eager call run the same kernels with the same configuration, and the same
 schedule: the fused one (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
 the local one (forward: chunk-local terms, carry scan; backward: local terms, states and dual carry
-scans, dq/dk/dg). The split schedule is eager-only. Packed sequences (cu_seqlens) take the fused
+scans, dq/dk/dg); either may cut its scans' walks into segments (``ChunkConfig.segments``,
+``scan_segments``), each then two templates. The split schedule is eager-only. Packed sequences (cu_seqlens) take the fused
 schedule, as in eager calls.
 
 Anything the kernels do not cover (CPU without Inductor's Triton backend, head sizes past the
