@@ -29,12 +29,13 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
     state. One more launch and one more read of k and v (q and do in the dual) per scan, for P times
     the programs, each walking NT / P chunks.
 
-Packed sequences (``call.cu_seqlens``) run the fused schedule only, whatever the config says: the
-scans take one program per (V tile, sequence * head), each walking its own sequence's chunks from
-offsets read on the device (in segments too: each sequence's walk is cut into its own P segments);
-gla_chunk_bwd_dqkg runs over state slots (``varlen_state_slots``),
-each program finding its sequence in the offsets. Nothing reads the offsets on the host, so a
-packed call can be captured in a CUDA graph. The local and split schedules stay fixed-length.
+Packed sequences (``call.cu_seqlens``) run the fused or the local schedule (the split one is
+dropped: its output kernel indexes fixed-length chunks). The scans and carries take one program
+per (V tile, sequence * head), each walking its own sequence's chunks from offsets read on the
+device (in segments too: each sequence's walk is cut into its own P segments); gla_chunk_local and
+gla_chunk_bwd_dqkg run over state slots (``varlen_state_slots``), each program finding its sequence
+in the offsets, and the per-chunk terms (dl, h, dh) live at the slots. Nothing reads the offsets on
+the host, so a packed call can be captured in a CUDA graph.
 
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
 / ``chunk_bwd`` custom ops for a ``GLACall``. They run on CUDA tensors, and on CPU tensors under
@@ -172,14 +173,19 @@ class _Launcher:
         return hs, ds
 
     def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """gla_chunk_local: (qs, ks, A, dl), see the template."""
+        """gla_chunk_local: (qs, ks, A, dl), see the template. Packed sequences: one program per
+        (state slot, head), dl per slot."""
         NT = math.ceil(self.T / self.cfg.block_t)
+        grid = (NT, self.B * self.H)
+        if self.cu_seqlens is not None:
+            NT = varlen_state_slots(self.T, self.N, self.cfg.block_t)
+            grid = (NT, self.H)
         terms = local_terms(self.options, self.B, self.T, self.H, self.K, NT, self.cfg.block_t)
         qs, ks, A, dl = (None if terms[n] is None else torch.empty(terms[n][0], dtype=terms[n][1], device=self.device)
                          for n in ("qs", "ks", "A", "dl"))
         options = local_options(self.options, transpose)
-        tensors = dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl)
-        _launch("gla_chunk_local", options, tensors, A, (NT, self.B * self.H), self.cfg.local_tile)
+        tensors = dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl, cu_seqlens=self.cu_seqlens)
+        _launch("gla_chunk_local", options, tensors, A, grid, self.cfg.local_tile)
         return qs, ks, A, dl
 
     def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,
@@ -191,8 +197,9 @@ class _Launcher:
         hs, ds = self.segment_sums(y, v, dl, dual, segments) if segments > 1 else (None, None)
         options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                      use_h0=h0 is not None, store_ht=store_ht, segments=segments), BV=tiles.block_v)
-        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None)
-        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
+        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None,
+                       cu_seqlens=self.cu_seqlens)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
 
     def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool,
@@ -200,12 +207,12 @@ class _Launcher:
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs [B, P, H, K, V], ds [B, P, H(, K)] or None), the
         state each of the P segments leaves from a zero start and the decay across it."""
         tiles = self.cfg.carry
-        hs = torch.empty(self.B, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        ds = None if dl is None else torch.empty(self.B, segments, *dl.shape[2:], dtype=torch.float32,
+        hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        ds = None if dl is None else torch.empty(self.N, segments, *dl.shape[2:], dtype=torch.float32,
                                                   device=self.device)
         options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True), BV=tiles.block_v)
-        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
-        _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds), hs, grid, tiles)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
         return hs, ds
 
     def output(self, out: Tensor, *, dual: bool, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> None:
@@ -239,7 +246,7 @@ def _head_grad(x: Tensor, v: Tensor) -> Tensor:
 
 def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, ChunkConfig]:
     """The call with q, k, v in their promoted dtype (copies only when they differ), and the config
-    (the fused schedule for packed sequences)."""
+    (no split schedule for packed sequences)."""
     dtype = call.output_dtype
     call = call.replace(q=call.q.to(dtype), k=call.k.to(dtype), v=call.v.to(dtype))
     _, T, _, K = call.q.shape
@@ -247,8 +254,8 @@ def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, Chu
     # looked up on the module: tools and tests patch it there
     cfg = config or configs.default_config(call.num_sequences, T, H, K, V, dtype, call.gate_kind == "vector",
                                            call.q.device, call.varlen)
-    if call.varlen:
-        cfg = dataclasses.replace(cfg, local=False, split=False, segments=1)
+    if call.varlen:  # the split schedule's output kernel indexes fixed-length chunks
+        cfg = dataclasses.replace(cfg, split=False)
     return call, cfg
 
 

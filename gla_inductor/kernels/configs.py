@@ -248,13 +248,13 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     scan: measured (``forward_scan_tile``).
 
     Packed sequences (varlen; B is then the number of sequences, T their total length) take the
-    fused schedule only: the local and carry kernels (and the split schedule's output kernel) index
-    chunks of fixed-length sequences."""
+    same schedules but the split one, whose output kernel indexes chunks of fixed-length sequences
+    (``kernels.chunk`` drops it); their segments are counted as if each sequence were T long."""
     BK = max(16, pow2(K))
     BV = max(16, pow2(V))
     # [BT, K] tiles of q, k, g and their gated copies dominate the registers of the fused scans; the
     # local schedule slices the keys (local_key_slice) and takes 64-step chunks at any K
-    local = local_schedule(BK, vector_gate) and not varlen
+    local = local_schedule(BK, vector_gate)
     wide_chunks = BK <= 128 or local and dtype != torch.float32  # fp32 at K > 128: see `stages`
     block_t = min(64 if wide_chunks else 32, max(16, pow2(T)))
     block_v = min(BV, 64 if BK <= 128 else 32)
@@ -277,7 +277,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
             block_v //= 2
         if fused_scans and forced is None:
             bwd_segments = scan_segments(B, H, V, block_v, NT, sms)
-        segments = 1 if varlen else carry_segments(B, H, V, NT, sms)
+        segments = carry_segments(B, H, V, NT, sms)
         # the carries walk all chunks one after another: with programs for at most half the SMs and
         # too few chunks for segments, halve their value tiles (results/h100-2026-11-23-segments.md)
         if segments == 1 and 2 * B * H * math.ceil(V / carry_v) <= sms:
@@ -359,8 +359,8 @@ def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scal
 
     ``gate`` is "vector", "scalar", "constant" or "none"; ``dtype`` the promoted q/k/v dtype;
     ``gate_fn`` the function the kernels apply to g as they read it; ``group`` the heads of v per
-    head of q and k (``group_size``); ``varlen``: packed sequences (cu_seqlens; gla_chunk_scan and
-    gla_chunk_bwd_dqkg only)."""
+    head of q and k (``group_size``); ``varlen``: packed sequences (cu_seqlens; every kernel but
+    gla_chunk_output)."""
     # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
     on_bf16_cores = dtype == torch.bfloat16 and not interpreting
     f32_precision = cfg.f32_precision or (

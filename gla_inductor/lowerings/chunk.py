@@ -8,8 +8,8 @@ compiled graph and an eager call run the same kernels with the same configuratio
 schedule: the fused one (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
 the local one (forward: chunk-local terms, carry scan; backward: local terms, states and dual carry
 scans, dq/dk/dg); either may cut its scans' walks into segments (``ChunkConfig.segments``,
-``scan_segments``), each then two templates. The split schedule is eager-only. Packed sequences (cu_seqlens) take the fused
-schedule, as in eager calls.
+``scan_segments``), each then two templates. The split schedule is eager-only. Packed sequences
+(cu_seqlens) take either schedule, as in eager calls.
 
 Anything the kernels do not cover (CPU without Inductor's Triton backend, head sizes past the
 kernels' limits, float64, a config switch) lowers to the eager op as an extern kernel; the reason is
@@ -59,7 +59,10 @@ def _scan_grid(BH, V, meta, *, cdiv):
 
 @SymbolicGridFn
 def _local_grid(T, BH, meta, *, cdiv):
-    """How is gla_chunk_local parallelized? One program per (chunk, batch * head)."""
+    """How is gla_chunk_local parallelized? One program per (chunk, batch * head); packed sequences:
+    one per (state slot, head), T being the slots (``varlen_state_slots``)."""
+    if meta.get("IS_VARLEN"):
+        return (T, BH, 1)
     return (cdiv(T, meta["BT"]), BH, 1)
 
 
@@ -233,8 +236,8 @@ class _Plan:
         hint = V.graph.sizevars.optimization_hint
         cfg = default_config(hint(self.N), hint(self.T), hint(self.H), int(self.K), int(self.V), dtype,
                              call.gate_kind == "vector", self.device, call.varlen)
-        if call.varlen:  # the fused schedule only (kernels.chunk says why)
-            cfg = dataclasses.replace(cfg, local=False, split=False, segments=1)
+        if call.varlen:  # no split schedule (kernels.chunk says why)
+            cfg = dataclasses.replace(cfg, split=False)
         self.cfg: ChunkConfig = cfg
         interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
         self.options = kernel_options(self.cfg, dtype, int(self.K), call.gate_kind, call.scale, call.reverse,
@@ -288,11 +291,14 @@ class _Plan:
         """gla_chunk_local: (qs, ks, A, dl), the chunk-local terms (see the template); dl is None
         without a gate."""
         B, T, H, K, block_t = self.B, self.T, self.H, self.K, self.cfg.block_t
-        terms = local_terms(self.options, B, T, H, K, _cdiv(T, block_t), block_t)
+        # packed sequences: one program per (state slot, head), dl per slot
+        NT, sizes = (_cdiv(T, block_t), [T, B * H]) if self.cu_seqlens is None else (self.slots(), [self.slots(), H])
+        terms = local_terms(self.options, B, T, H, K, NT, block_t)
         qs, ks, dl = (None if terms[n] is None else _empty(*terms[n], self.device) for n in ("qs", "ks", "dl"))
-        tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl).items() if t is not None}
+        tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl, cu_seqlens=self.cu_seqlens).items()
+                   if t is not None}
         A = self._select(LOCAL, local_options(self.options, transpose), tensors,
-                         _layout(self.device, terms["A"][1], terms["A"][0]), [T, B * H],
+                         _layout(self.device, terms["A"][1], terms["A"][0]), sizes,
                          [dict(tiles=self.cfg.local_tile)])
         return qs, ks, A, dl
 
@@ -300,26 +306,26 @@ class _Plan:
         """gla_chunk_carry on gla_chunk_local's terms: returns the main output; ``h`` and ``ht`` are
         written. With segments > 1, after the segments' sums (``segment_sums``). One tile (the
         eager default): its max-autotune space is not explored yet."""
-        tensors = {n: t for n, t in tensors.items() if t is not None}
+        tensors = {n: t for n, t in {**tensors, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
         if segments > 1:
             hs, ds = self.segment_sums(tensors["y"], tensors["v"], tensors.get("dl"), dual, segments)
             tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
         options = carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                 use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments)
         tiles = self.cfg.carry
-        return self._select(CARRY, options, tensors, layout, [self.B * self.H, self.V],
+        return self._select(CARRY, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
 
     def segment_sums(self, y, v, dl, dual: bool, segments: int):
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs, ds), the state each segment leaves from a zero
         start (main output) and the decay across it (None without a gate)."""
-        B, H = self.B, self.H
-        ds = None if dl is None else _empty((B, segments, *dl.get_size()[2:]), torch.float32, self.device)
-        tensors = {n: t for n, t in dict(y=y, v=v, dl=dl, ds=ds).items() if t is not None}
+        N, H = self.N, self.H  # the states' batch: the sequences, where packed
+        ds = None if dl is None else _empty((N, segments, *dl.get_size()[2:]), torch.float32, self.device)
+        tensors = {n: t for n, t in dict(y=y, v=v, dl=dl, ds=ds, cu_seqlens=self.cu_seqlens).items() if t is not None}
         options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True)
         tiles = self.cfg.carry
-        layout = _layout(self.device, torch.float32, (B, segments, H, self.K, self.V))
-        hs = self._select(CARRY, options, tensors, layout, [B * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
+        layout = _layout(self.device, torch.float32, (N, segments, H, self.K, self.V))
+        hs = self._select(CARRY, options, tensors, layout, [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
         return hs, ds
 
     def dqkg(self, layout, **tensors):

@@ -205,11 +205,17 @@ def test_fused_gates_in_segments(gate, gate_fn):
         assert_rel_close("dq", grads[0], leaves["q"].grad, 1e-4)
 
 
+PACKED = [("scalar", "fused", False), ("constant", "fused", True), ("vector", "fused", False),
+          ("vector", "local", False), ("vector", "local", True), ("scalar", "local", True), ("none", "local", False)]
+
+
 @needs_kernels
-@pytest.mark.parametrize("gate", ["scalar", "constant", "vector"])
-def test_packed_sequences_in_segments(gate):
-    """Packed sequences (cu_seqlens): every sequence's walk is cut into its own segments (lengths
-    with 1, 3 and 7 chunks, one empty sequence), each sequence as if alone, forward and backward."""
+@pytest.mark.parametrize("gate,schedule,reverse", PACKED, ids=lambda x: str(x))
+def test_packed_sequences_in_segments(gate, schedule, reverse):
+    """Packed sequences (cu_seqlens) on the fused scans in segments, and on the local schedule
+    (gla_chunk_local over state slots, the carries per sequence, in segments): every sequence's walk
+    is cut into its own segments (lengths with 7, 1 and 3 chunks, one empty sequence), each sequence
+    as if alone, forward and backward."""
     lengths = [100, 16, 0, 37]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     T, N, H, K, V = sum(lengths), len(lengths), 2, 16, 24
@@ -219,26 +225,27 @@ def test_packed_sequences_in_segments(gate):
     gen = torch.Generator().manual_seed(4)
     do = torch.randn(1, T, H, V, generator=gen).to(DEVICE)
     dht = torch.randn(N, H, K, V, generator=gen).to(DEVICE)
-    cfg = dataclasses.replace(_config(Case(gate), B=N, T=T), scan_segments=3, bwd_scan_segments=2)
+    cfg = dataclasses.replace(_config(Case(gate), B=N, T=T), scan_segments=3, bwd_scan_segments=2,
+                              local=schedule == "local", segments=3)
     args = (x["q"], x["k"], x["v"], x["g"], x["g_gamma"], x["initial_state"], 0.25)
     cu = offsets.to(DEVICE)
-    o, ht = kchunk.forward(GLACall(*args, True, False, cu_seqlens=cu), config=cfg)
-    dq, dk, dv, dg, dgg, dh0 = kchunk.backward(GLACall(*args, cu_seqlens=cu), do, dht, config=cfg)
+    o, ht = kchunk.forward(GLACall(*args, True, reverse, cu_seqlens=cu), config=cfg)
+    dq, dk, dv, dg, dgg, dh0 = kchunk.backward(GLACall(*args, reverse=reverse, cu_seqlens=cu), do, dht, config=cfg)
     for n, (s, e) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         one = {name: None if t is None else t for name, t in x.items()}
         one.update(q=x["q"][:, s:e], k=x["k"][:, s:e], v=x["v"][:, s:e], initial_state=x["initial_state"][n:n + 1])
-        if gate != "constant":
+        if x["g"] is not None:
             one["g"] = x["g"][:, s:e]
         if e == s:
             torch.testing.assert_close(ht[n], x["initial_state"][n])
             torch.testing.assert_close(dh0[n], dht[n])
             continue
-        ro, rht, rg = loop_reference_grads(one, do[:, s:e], dht[n:n + 1], scale=0.25)
+        ro, rht, rg = loop_reference_grads(one, do[:, s:e], dht[n:n + 1], scale=0.25, reverse=reverse)
         assert_rel_close(f"o[{n}]", o[:, s:e], ro, 1e-4)
         assert_rel_close(f"ht[{n}]", ht[n:n + 1], rht, 1e-4)
         for name, got in (("q", dq), ("k", dk), ("v", dv)):
             assert_rel_close(f"d{name}[{n}]", got[:, s:e], rg[name], 1e-4)
-        if gate != "constant":
+        if x["g"] is not None:
             assert_rel_close(f"dg[{n}]", dg[:, s:e], rg["g"], 1e-4)
         assert_rel_close(f"dh0[{n}]", dh0[n:n + 1], rg["initial_state"], 1e-4)
 
@@ -366,3 +373,48 @@ def test_lowering_runs_the_segmented_scans(gate, monkeypatch, inductor_triton):
     assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
     for name, want in grads.items():
         assert rel_norm_err(x[name].grad, want) < 1e-4, name
+
+
+@needs_kernels
+@pytest.mark.compat
+@pytest.mark.parametrize("segments", [1, 2])
+def test_lowering_runs_the_local_schedule_on_packed_sequences(segments, monkeypatch, inductor_triton):
+    """Packed sequences in a compiled graph take the local schedule where the config says so (vector
+    gates from K = 64 on a GPU; forced here): the local template over state slots and the carries
+    per sequence, in segments or not; o, the final states and every gradient as each sequence alone."""
+    from torch._inductor.utils import run_and_get_code
+
+    import gla_inductor
+    from gla_inductor.lowerings import chunk as lowering
+    from varlen_packing import make, reference
+
+    def local(*args):
+        return dataclasses.replace(kconfigs.default_config(*args), block_t=BT, local=True, segments=segments)
+
+    monkeypatch.setattr(lowering, "default_config", local)
+    p = make([37, 0, 5, 20], gate="vector", H=2, K=16, V=24, reverse=True)
+    leaves = {n: x.detach().to(DEVICE).requires_grad_() for n, x in p.leaves.items()}
+    cu = p.cu_seqlens.to(DEVICE)
+
+    @torch.compile(fullgraph=True)
+    def fwd(q, k, v, g, h0, cu_seqlens):
+        return gla_inductor.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, reverse=True,
+                                      scale=p.scale, cu_seqlens=cu_seqlens)
+
+    def fwd_bwd():
+        o, ht = fwd(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["h0"], cu)
+        (o.double().sum() + ht.double().square().sum()).backward()
+        return o, ht
+
+    try:
+        (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    finally:
+        torch._dynamo.reset()
+    assert not EXTERN_CALL.search(fwd_code + bwd_code)
+    assert fwd_code.count("GLA chunk-local terms") == 1 and fwd_code.count("GLA inter-chunk scan") == segments
+    assert bwd_code.count("GLA inter-chunk scan") == 2 * segments and SCAN_KERNEL not in bwd_code
+    ref_o, ref_ht = reference(p)
+    assert rel_norm_err(o, ref_o) < 1e-5 and rel_norm_err(ht, ref_ht) < 1e-5
+    refs = torch.autograd.grad(ref_o.sum() + ref_ht.square().sum(), list(p.leaves.values()))
+    for name, want in zip(p.leaves, refs):
+        assert rel_norm_err(leaves[name].grad, want) < 1e-4, name
