@@ -161,7 +161,7 @@ class _Launcher:
     def scan_segment_sums(self, x: Tensor, v: Tensor, dual: bool, segments: int) -> tuple[Tensor, Optional[Tensor]]:
         """gla_chunk_segsum: (hs [N, P, H, K, V], ds [N, P, H(, K)] or None without a gate), the state
         each of the P segments of a scan's walk leaves from a zero start and the decay across it."""
-        tiles = self.cfg.states
+        tiles = self.cfg.segsum
         hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         gated = self.options["USE_GK"] or self.options["USE_G"] or self.options["USE_G_GAMMA"]
         ds_shape = (self.N, segments, self.H) + ((self.K,) if self.options["USE_GK"] else ())

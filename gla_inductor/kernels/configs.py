@@ -78,6 +78,8 @@ class ChunkConfig:
     # backward's states and dual scans; 1: one walk over all chunks
     scan_segments: int = 1
     bwd_scan_segments: int = 1
+    # gla_chunk_segsum's tile (its value tile is independent of the scan's: it writes whole states)
+    segsum: TileConfig = TileConfig(block_v=64, num_warps=8, num_stages=2)
     # how fp32 operands multiply ("ieee", "tf32", "tf32x3"); None: "tf32x3" for fp32 inputs under
     # torch's "highest" matmul precision, else "tf32" (fp16 inputs use fp32 operands: fp16's range
     # cannot hold the kernels' gated factors, and TF32 keeps fp16's 10-bit mantissa). "tf32x3"
@@ -312,6 +314,10 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         carry=TileConfig(block_v=carry_v, num_warps=carry_warps, num_stages=stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
         segments=segments,
+        # the segments' sums do the states walk's work (one dot per chunk): value tiles of 64 make
+        # as many programs as the forward's walk in segments (offline for sm_90 at K = 128: 112
+        # registers with 8 warps, no spills; untimed)
+        segsum=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages),
         scan_segments=fwd_segments,
         bwd_scan_segments=bwd_segments,
     )

@@ -281,7 +281,7 @@ class _Plan:
             ds = _empty((N, segments, H) + ((K,) if o["USE_GK"] else ()), torch.float32, self.device)
         tensors = {n: t for n, t in dict(x=x, v=v, **self.gates, ds=ds, cu_seqlens=self.cu_seqlens).items()
                    if t is not None}
-        tiles = self.cfg.states
+        tiles = self.cfg.segsum
         layout = _layout(self.device, torch.float32, (N, segments, H, K, self.V))
         hs = self._select(SEGSUM, segsum_options(o, dual=dual, segments=segments), tensors, layout,
                           [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])

@@ -301,6 +301,7 @@ def test_default_config_segments_the_fused_scans_of_non_vector_gates(monkeypatch
     # the forward keeps value tiles of 64 in segments; the backward's scans narrow theirs to 32
     assert (few.scan_segments, few.scan.block_v) == (8, 64)
     assert (few.bwd_scan_segments, few.states.block_v) == (4, 32)
+    assert few.segsum == kconfigs.TileConfig(block_v=64, num_warps=8, num_stages=2)
     main = config(8, 2048, 16, 128, 128)
     assert (main.scan_segments, main.bwd_scan_segments, main.scan.block_v) == (1, 1, 64)
     vector = config(1, 8192, 16, 32, 128, vector=True)
