@@ -419,3 +419,24 @@ def test_lowering_runs_the_local_schedule_on_packed_sequences(segments, monkeypa
     refs = torch.autograd.grad(ref_o.sum() + ref_ht.square().sum(), list(p.leaves.values()))
     for name, want in zip(p.leaves, refs):
         assert rel_norm_err(leaves[name].grad, want) < 1e-4, name
+
+
+@needs_kernels
+@pytest.mark.parametrize("schedule", ["scan", "carry"])
+def test_fold_keeps_a_zero_state_zero_past_an_overflowing_segment_decay(schedule):
+    """Positive log gates (+2 per step) whose product over a segment overflows fp32 while the state
+    stays zero there (k = 0 in the first segments): the loop's state is exactly 0 until the keys
+    start, and so is the fold's (0 * inf would be NaN), in the fused scan's segments and in the
+    local schedule's carry."""
+    case = Case("scalar", T=160, fwd=4, h0=False)
+    x = placed(_inputs(case), DEVICE)
+    x["g"] = torch.full_like(x["g"], 2.0)  # 64 steps: a factor of e^128, past fp32's range
+    x["k"][:, :120] = 0.0  # segments 0-2 add nothing; the state grows from step 120 on
+    cfg = _config(case)
+    if schedule == "carry":
+        cfg = dataclasses.replace(cfg, local=True, segments=4)
+    o, ht = kchunk.forward(GLACall(x["q"], x["k"], x["v"], x["g"], None, None, 0.25, True, False), config=cfg)
+    o64, ht64 = loop_reference(x, scale=0.25)
+    assert torch.isfinite(o64).all() and torch.isfinite(ht64).all()  # e^80 at most: finite in fp32
+    assert_rel_close("o", o, o64, 1e-4)
+    assert_rel_close("ht", ht, ht64, 1e-4)
