@@ -3,8 +3,9 @@
     python -m benchmarks tune TOOL [options]
 
   schedule  the forward's schedules and tiles (``chunk_fwd``): the fused scan over value tiles, warps,
-            stages and 128-step chunks; the split schedule over its output kernel's tiles; the local
-            schedule over the carry's tiles and segments. Events clock (host time included), every
+            stages and 128-step chunks, and in segments ("fused P="); the split schedule over its
+            output kernel's tiles, and its states scan in segments ("split P="); the local schedule
+            over the carry's tiles and segments. Events clock (host time included), every
             config checked against the default one. Several shapes: --shapes 'B,T,H,K,V;...'.
   segments  the carries' segments (``ChunkConfig.segments``) and tiles of the local schedule, forward
             and backward, in CUDA graphs (GPU time); checked against the first config.
@@ -113,6 +114,15 @@ def schedule_configs(base) -> list:
     for p, bv in itertools.product((2, 4, 8, 16), (32, 64)):
         out.append((f"local carry P={p} BV={bv} w=4 s=2",
                     rep(base, local=True, carry=TileConfig(bv, 4, 2), segments=p)))
+    # the fused scan walked in segments (gla_chunk_segsum, then the walk; ChunkConfig.scan_segments);
+    # P=1 is the one walk at the same tile
+    for p, bv, w in itertools.product((1, 2, 4, 8, 16), (32, 64), (4, 8)):
+        out.append((f"fused P={p} BV={bv} w={w}",
+                    rep(base, local=False, scan=TileConfig(bv, w, 2), scan_segments=p)))
+    # the split schedule with its states scan in segments, then the chunk-parallel output kernel
+    for p, w in itertools.product((1, 2, 4, 8, 16), (4, 8)):
+        out.append((f"split P={p} out BV=64 w={w}",
+                    rep(base, local=False, split=True, output=TileConfig(64, w, 2), scan_segments=p)))
     return out
 
 

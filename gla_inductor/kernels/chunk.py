@@ -21,11 +21,21 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
               dual carry, dqkg). A long sequence with few heads cuts each carry's walk into
               segments walked in parallel (``carry_segments``), one more launch per carry.
 
-Packed sequences (``call.cu_seqlens``) run the fused schedule only, whatever the config says: the
-scans take one program per (V tile, sequence * head), each walking its own sequence's chunks from
-offsets read on the device; gla_chunk_bwd_dqkg runs over state slots (``varlen_state_slots``),
-each program finding its sequence in the offsets. Nothing reads the offsets on the host, so a
-packed call can be captured in a CUDA graph. The local and split schedules stay fixed-length.
+  segments (``ChunkConfig.scan_segments``, forward; ``bwd_scan_segments``, the backward's two
+    scans; ``configs.scan_segments`` picks them for scalar, constant and no gates where the
+    programs leave SMs idle): a gla_chunk_scan walk of the fused or split schedule is cut into P
+    segments walked in parallel, after a gla_chunk_segsum launch that writes each segment's state
+    from a zero start and its decay; each segment's program folds the ones before it into its start
+    state. One more launch and one more read of k and v (q and do in the dual) per scan, for P times
+    the programs, each walking NT / P chunks.
+
+Packed sequences (``call.cu_seqlens``) run the fused or the local schedule (the split one is
+dropped: its output kernel indexes fixed-length chunks). The scans and carries take one program
+per (V tile, sequence * head), each walking its own sequence's chunks from offsets read on the
+device (in segments too: each sequence's walk is cut into its own P segments); gla_chunk_local and
+gla_chunk_bwd_dqkg run over state slots (``varlen_state_slots``), each program finding its sequence
+in the offsets, and the per-chunk terms (dl, h, dh) live at the slots. Nothing reads the offsets on
+the host, so a packed call can be captured in a CUDA graph.
 
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
 / ``chunk_bwd`` custom ops for a ``GLACall``. They run on CUDA tensors, and on CPU tensors under
@@ -44,7 +54,7 @@ from ..impl import prefix_states
 from . import configs
 from .configs import (ChunkConfig, TileConfig, carry_options, dqkg_block_k,
                       faulting_tile, interpreting, kernel_options, local_options, local_terms, scan_options,
-                      unsupported_reason)
+                      segsum_options, unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
 __all__ = ["backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
@@ -127,7 +137,9 @@ class _Launcher:
         return torch.empty(self.B, NT, self.H, self.K, self.V, dtype=self.cfg.states_dtype, device=self.device)
 
     def scan(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, q=None, k=None, v=None,
-             h0=None, h=None, ht=None, hp=None, prefix_interval: int = 0) -> None:
+             h0=None, h=None, ht=None, hp=None, prefix_interval: int = 0, segments: int = 1) -> None:
+        """gla_chunk_scan (see the template); with segments > 1, first the segments' sums
+        (``segment_sums``), then the walk, both in parallel over the segments."""
         tiles = self.cfg.states if not write_out else self.cfg.dual if dual else self.cfg.scan
         if self.device.type == "cuda" and faulting_tile(self.options["BK"], tiles, self.options["USE_GK"]):
             raise ValueError(f"gla_inductor: {tiles} for a vector gate with K = {self.K} is known to fault on the "
@@ -137,19 +149,43 @@ class _Launcher:
                                     use_h0=h0 is not None, store_ht=store_ht), BV=tiles.block_v)
         if hp is not None:
             options["PREFIX_STATES"] = prefix_interval
+        hs = ds = None
+        if segments > 1:
+            options["SEGMENTS"] = segments
+            hs, ds = self.scan_segment_sums(q if dual else k, v, dual, segments)
         tensors = dict(q=q, k=k, v=v, **self.gates, h0=h0, h=h, ht=ht if store_ht else None, hp=hp,
-                       cu_seqlens=self.cu_seqlens)
-        _launch("gla_chunk_scan", options, tensors, out, scan_grid(self.N, self.H, self.V, tiles.block_v), tiles)
+                       cu_seqlens=self.cu_seqlens, hs=hs, ds=ds)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_scan", options, tensors, out, grid, tiles)
+
+    def scan_segment_sums(self, x: Tensor, v: Tensor, dual: bool, segments: int) -> tuple[Tensor, Optional[Tensor]]:
+        """gla_chunk_segsum: (hs [N, P, H, K, V], ds [N, P, H(, K)] or None without a gate), the state
+        each of the P segments of a scan's walk leaves from a zero start and the decay across it."""
+        tiles = self.cfg.segsum
+        hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        gated = self.options["USE_GK"] or self.options["USE_G"] or self.options["USE_G_GAMMA"]
+        ds_shape = (self.N, segments, self.H) + ((self.K,) if self.options["USE_GK"] else ())
+        ds = torch.empty(ds_shape, dtype=torch.float32, device=self.device) if gated else None
+        options = dict(segsum_options(self.options, dual=dual, segments=segments), BV=tiles.block_v)
+        tensors = dict(x=x, v=v, **self.gates, ds=ds, cu_seqlens=self.cu_seqlens)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_segsum", options, tensors, hs, grid, tiles)
+        return hs, ds
 
     def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """gla_chunk_local: (qs, ks, A, dl), see the template."""
+        """gla_chunk_local: (qs, ks, A, dl), see the template. Packed sequences: one program per
+        (state slot, head), dl per slot."""
         NT = math.ceil(self.T / self.cfg.block_t)
+        grid = (NT, self.B * self.H)
+        if self.cu_seqlens is not None:
+            NT = varlen_state_slots(self.T, self.N, self.cfg.block_t)
+            grid = (NT, self.H)
         terms = local_terms(self.options, self.B, self.T, self.H, self.K, NT, self.cfg.block_t)
         qs, ks, A, dl = (None if terms[n] is None else torch.empty(terms[n][0], dtype=terms[n][1], device=self.device)
                          for n in ("qs", "ks", "A", "dl"))
         options = local_options(self.options, transpose)
-        tensors = dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl)
-        _launch("gla_chunk_local", options, tensors, A, (NT, self.B * self.H), self.cfg.local_tile)
+        tensors = dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl, cu_seqlens=self.cu_seqlens)
+        _launch("gla_chunk_local", options, tensors, A, grid, self.cfg.local_tile)
         return qs, ks, A, dl
 
     def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,
@@ -161,8 +197,9 @@ class _Launcher:
         hs, ds = self.segment_sums(y, v, dl, dual, segments) if segments > 1 else (None, None)
         options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                      use_h0=h0 is not None, store_ht=store_ht, segments=segments), BV=tiles.block_v)
-        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None)
-        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
+        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None,
+                       cu_seqlens=self.cu_seqlens)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
 
     def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool,
@@ -170,12 +207,12 @@ class _Launcher:
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs [B, P, H, K, V], ds [B, P, H(, K)] or None), the
         state each of the P segments leaves from a zero start and the decay across it."""
         tiles = self.cfg.carry
-        hs = torch.empty(self.B, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        ds = None if dl is None else torch.empty(self.B, segments, *dl.shape[2:], dtype=torch.float32,
+        hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        ds = None if dl is None else torch.empty(self.N, segments, *dl.shape[2:], dtype=torch.float32,
                                                   device=self.device)
         options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True), BV=tiles.block_v)
-        grid = scan_grid(self.B, self.H, self.V, tiles.block_v, segments)
-        _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds), hs, grid, tiles)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
+        _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
         return hs, ds
 
     def output(self, out: Tensor, *, dual: bool, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> None:
@@ -209,7 +246,7 @@ def _head_grad(x: Tensor, v: Tensor) -> Tensor:
 
 def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, ChunkConfig]:
     """The call with q, k, v in their promoted dtype (copies only when they differ), and the config
-    (the fused schedule for packed sequences)."""
+    (no split schedule for packed sequences)."""
     dtype = call.output_dtype
     call = call.replace(q=call.q.to(dtype), k=call.k.to(dtype), v=call.v.to(dtype))
     _, T, _, K = call.q.shape
@@ -217,8 +254,8 @@ def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, Chu
     # looked up on the module: tools and tests patch it there
     cfg = config or configs.default_config(call.num_sequences, T, H, K, V, dtype, call.gate_kind == "vector",
                                            call.q.device, call.varlen)
-    if call.varlen:
-        cfg = dataclasses.replace(cfg, local=False, split=False, segments=1)
+    if call.varlen:  # the split schedule's output kernel indexes fixed-length chunks
+        cfg = dataclasses.replace(cfg, split=False)
     return call, cfg
 
 
@@ -243,10 +280,12 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
                   ht=ht, segments=cfg.segments)
     elif cfg.split:
         h = run.states()
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht)
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht,
+                 segments=cfg.scan_segments)
         run.output(o, dual=False, q=q, k=k, v=v, h=h)
     else:
-        run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht)
+        run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht,
+                 segments=cfg.scan_segments)
     return o, ht
 
 
@@ -257,7 +296,8 @@ def forward_with_prefix_states(call: GLACall, interval: int, config: Optional[Ch
     for prefix caching (``impl.prefix_states`` and gla_chunk_scan's PREFIX_STATES say where). Fused
     schedule, not reverse."""
     call, cfg = _prepare(call, config)
-    cfg = dataclasses.replace(cfg, local=False, split=False, segments=1, block_t=min(cfg.block_t, interval))
+    cfg = dataclasses.replace(cfg, local=False, split=False, segments=1, scan_segments=1,
+                              block_t=min(cfg.block_t, interval))
     q, k, v = call.q, call.k, call.v
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
@@ -309,12 +349,14 @@ def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[
                   ht=dh0, segments=cfg.segments)
         del qs, ks, At
     elif cfg.split:
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
-        run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0)
+        P = cfg.bwd_scan_segments
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
+        run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0, segments=P)
         run.output(dv, dual=True, q=q, k=k, v=do, h=dh)
     else:
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
-        run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0)
+        P = cfg.bwd_scan_segments
+        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
+        run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0, segments=P)
     # constant gate: per-step gradients [B, T, H], summed over batch and time below
     dg_steps = None if g_gamma is None else q.new_empty(B, T, H, dtype=torch.float32)
     run.dqkg(dq, q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg if g_gamma is None else dg_steps)

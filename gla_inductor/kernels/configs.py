@@ -6,6 +6,7 @@ the same configuration. The measurements behind each heuristic are in benchmarks
 import functools
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Optional
@@ -17,7 +18,8 @@ from ..gates import GateFn
 
 __all__ = [
     "ChunkConfig", "TileConfig", "carry_options", "default_config", "dqkg_block_k", "faulting_tile",
-    "kernel_options", "local_options", "local_terms", "scan_options", "unsupported_reason",
+    "kernel_options", "local_options", "local_terms", "scan_options", "scan_segments", "segsum_options",
+    "unsupported_reason",
 ]
 
 MAX_K = 256  # the scans hold whole key rows ([BT, K] tiles and the [K, BV] state) on chip
@@ -71,6 +73,13 @@ class ChunkConfig:
     # segments of the carries' walks, each walked by its own programs (``carry_segments``); 1: one
     # walk over all chunks
     segments: int = 1
+    # segments of the fused (and split) schedules' gla_chunk_scan walks, each walked by its own
+    # programs after a gla_chunk_segsum launch (``scan_segments``): the forward's scan, and the
+    # backward's states and dual scans; 1: one walk over all chunks
+    scan_segments: int = 1
+    bwd_scan_segments: int = 1
+    # gla_chunk_segsum's tile (its value tile is independent of the scan's: it writes whole states)
+    segsum: TileConfig = TileConfig(block_v=64, num_warps=8, num_stages=2)
     # how fp32 operands multiply ("ieee", "tf32", "tf32x3"); None: "tf32x3" for fp32 inputs under
     # torch's "highest" matmul precision, else "tf32" (fp16 inputs use fp32 operands: fp16's range
     # cannot hold the kernels' gated factors, and TF32 keeps fp16's 10-bit mantissa). "tf32x3"
@@ -150,6 +159,11 @@ def scan_options(options: dict, *, write_out: bool, dual: bool, store_states: bo
                 STORE_HT=store_ht)
 
 
+def segsum_options(options: dict, *, dual: bool, segments: int) -> dict:
+    """gla_chunk_segsum's options: the shared ones, which scan it serves (DUAL), its segments."""
+    return dict(options, DUAL=dual, SEGMENTS=segments)
+
+
 def carry_options(options: dict, *, dual: bool, segments: int, segment_sums: bool = False, **mode) -> dict:
     """gla_chunk_carry's options: the scan's modes (``mode``: write_out, store_states, use_h0,
     store_ht), its segments, and SEGMENT_SUMS, which takes none of the modes."""
@@ -189,6 +203,38 @@ def carry_segments(B: int, H: int, V: int, NT: int, sms: int) -> int:
     return segments
 
 
+def scan_segments(B: int, H: int, V: int, block_v: int, NT: int, sms: int) -> int:
+    """Segments of a fused scan's walk (gla_chunk_scan's SEGMENTS): where its B * H * cdiv(V, block_v)
+    programs fill fewer than the SMs, the walk over the NT chunks is cut into P segments (a power of
+    two, up to 16) walked in parallel, so that the programs fill up to two per SM, with segments of
+    at least 4 chunks. The price: gla_chunk_segsum reads the walk's keys (queries) and values once
+    more, and each program folds the segments before its own. A first guess, not yet swept on a GPU
+    (``python -m benchmarks tune schedule --gates scalar --only "fused P="``; the environment
+    variable GLA_INDUCTOR_SCAN_SEGMENTS overrides it, ``env_scan_segments``)."""
+    programs = B * H * math.ceil(V / block_v)
+    segments = 1
+    if programs < sms:
+        while segments < 16 and 2 * segments * programs <= 2 * sms and NT >= 8 * segments:
+            segments *= 2
+    return segments
+
+
+def env_scan_segments() -> Optional[tuple[int, int]]:
+    """GLA_INDUCTOR_SCAN_SEGMENTS="P" or "P,Q": the forward's scan segments P and the backward's Q (P
+    when not given) for every call that takes the fused schedule, instead of ``scan_segments``; for
+    A/B runs on a GPU (read when a config is made: set it before the first call). Unset: None."""
+    text = os.environ.get("GLA_INDUCTOR_SCAN_SEGMENTS", "").strip()
+    if not text:
+        return None
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or min(values) < 1:
+        raise ValueError(f"GLA_INDUCTOR_SCAN_SEGMENTS={text!r}: expected 'P' or 'P,Q', positive integers")
+    return values[0], values[-1]
+
+
 def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
     """Vector-gate scans with 4 warps at K = 128 hit an illegal memory access on an H100 with triton
     3.6 (BV = 32; seen at HEAD before the fused gates too): a miscompile, avoided by never choosing
@@ -204,23 +250,36 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     scan: measured (``forward_scan_tile``).
 
     Packed sequences (varlen; B is then the number of sequences, T their total length) take the
-    fused schedule only: the local and carry kernels (and the split schedule's output kernel) index
-    chunks of fixed-length sequences."""
+    same schedules but the split one, whose output kernel indexes chunks of fixed-length sequences
+    (``kernels.chunk`` drops it); their segments are counted as if each sequence were T long."""
     BK = max(16, pow2(K))
     BV = max(16, pow2(V))
     # [BT, K] tiles of q, k, g and their gated copies dominate the registers of the fused scans; the
     # local schedule slices the keys (local_key_slice) and takes 64-step chunks at any K
-    local = local_schedule(BK, vector_gate) and not varlen
+    local = local_schedule(BK, vector_gate)
     wide_chunks = BK <= 128 or local and dtype != torch.float32  # fp32 at K > 128: see `stages`
     block_t = min(64 if wide_chunks else 32, max(16, pow2(T)))
     block_v = min(BV, 64 if BK <= 128 else 32)
     carry_v = 64
     segments = 1
+    NT = math.ceil(T / block_t)
+    # the fused scans' segments: scalar, constant and no gates where the fused schedule runs (vector
+    # gates keep one walk: below K = 64 not measured, from K = 64 they take the local schedule)
+    fwd_segments = bwd_segments = 1
+    fused_scans = not vector_gate and not local
+    forced = env_scan_segments() if fused_scans else None
+    if forced is not None:
+        fwd_segments, bwd_segments = forced
+    scan_v = block_v  # the forward scan's value tile where it walks in segments (not narrowed)
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if fused_scans and forced is None:
+            fwd_segments = scan_segments(B, H, V, block_v, NT, sms)
         while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
             block_v //= 2
-        segments = 1 if varlen else carry_segments(B, H, V, math.ceil(T / block_t), sms)
+        if fused_scans and forced is None:
+            bwd_segments = scan_segments(B, H, V, block_v, NT, sms)
+        segments = carry_segments(B, H, V, NT, sms)
         # the carries walk all chunks one after another: with programs for at most half the SMs and
         # too few chunks for segments, halve their value tiles (results/h100-2026-11-23-segments.md)
         if segments == 1 and 2 * B * H * math.ceil(V / carry_v) <= sms:
@@ -240,9 +299,12 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     # only with 32-step chunks (256 KB at 64)
     stages = 1 if dtype == torch.float32 else 2
     scan = TileConfig(block_v=block_v, num_warps=warps, num_stages=stages)
+    # in segments the forward's programs are many: its value tiles stay wide (fewer re-reads of q, k
+    # and recomputations of the scores per value)
+    forward_fallback = scan if fwd_segments == 1 else dataclasses.replace(scan, block_v=scan_v)
     return ChunkConfig(
         block_t,
-        scan=forward_scan_tile(BK, BV, vector_gate, scan),
+        scan=forward_scan_tile(BK, BV, vector_gate, forward_fallback),
         states=scan,
         dual=scan,
         output=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages),
@@ -252,6 +314,12 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         carry=TileConfig(block_v=carry_v, num_warps=carry_warps, num_stages=stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
         segments=segments,
+        # the segments' sums do the states walk's work (one dot per chunk): value tiles of 64 make
+        # as many programs as the forward's walk in segments (offline for sm_90 at K = 128: 112
+        # registers with 8 warps, no spills; untimed)
+        segsum=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages),
+        scan_segments=fwd_segments,
+        bwd_scan_segments=bwd_segments,
     )
 
 
@@ -297,8 +365,8 @@ def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scal
 
     ``gate`` is "vector", "scalar", "constant" or "none"; ``dtype`` the promoted q/k/v dtype;
     ``gate_fn`` the function the kernels apply to g as they read it; ``group`` the heads of v per
-    head of q and k (``group_size``); ``varlen``: packed sequences (cu_seqlens; gla_chunk_scan and
-    gla_chunk_bwd_dqkg only)."""
+    head of q and k (``group_size``); ``varlen``: packed sequences (cu_seqlens; every kernel but
+    gla_chunk_output)."""
     # The CPU interpreter multiplies bf16 tl.dot operands as raw integers; give it fp32 ones.
     on_bf16_cores = dtype == torch.bfloat16 and not interpreting
     f32_precision = cfg.f32_precision or (

@@ -7,8 +7,9 @@ renders standalone (``kernels/standalone.py``); tiles and options come from ``ke
 compiled graph and an eager call run the same kernels with the same configuration, and the same
 schedule: the fused one (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
 the local one (forward: chunk-local terms, carry scan; backward: local terms, states and dual carry
-scans, dq/dk/dg). The split schedule is eager-only. Packed sequences (cu_seqlens) take the fused
-schedule, as in eager calls.
+scans, dq/dk/dg); either may cut its scans' walks into segments (``ChunkConfig.segments``,
+``scan_segments``), each then two templates. The split schedule is eager-only. Packed sequences
+(cu_seqlens) take either schedule, as in eager calls.
 
 Anything the kernels do not cover (CPU without Inductor's Triton backend, head sizes past the
 kernels' limits, float64, a config switch) lowers to the eager op as an extern kernel; the reason is
@@ -35,7 +36,7 @@ from torch.utils._sympy.functions import CeilDiv, FloorDiv
 from ..contract import CHUNK_BWD_ARGS, GLACall
 from ..kernels.chunk import varlen_state_slots
 from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
-                               kernel_options, local_options, local_terms, scan_options)
+                               kernel_options, local_options, local_terms, scan_options, segsum_options)
 from ..kernels.standalone import OUT, load_template, render_source
 from ..ops.dispatch import chunk_unsupported_reason
 
@@ -50,15 +51,18 @@ gla = torch.ops.gla_inductor
 
 @SymbolicGridFn
 def _scan_grid(BH, V, meta, *, cdiv):
-    """How are gla_chunk_scan and gla_chunk_carry parallelized? One program per (value tile,
-    batch * head) walks all chunks in order with its state slice on chip, or, in a carry cut into
-    segments, the chunks of its segment (see ``kernels.chunk.scan_grid``)."""
+    """How are gla_chunk_scan, gla_chunk_segsum and gla_chunk_carry parallelized? One program per
+    (value tile, batch * head) walks all chunks in order with its state slice on chip, or, in a walk
+    cut into segments, the chunks of its segment (see ``kernels.chunk.scan_grid``)."""
     return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1))
 
 
 @SymbolicGridFn
 def _local_grid(T, BH, meta, *, cdiv):
-    """How is gla_chunk_local parallelized? One program per (chunk, batch * head)."""
+    """How is gla_chunk_local parallelized? One program per (chunk, batch * head); packed sequences:
+    one per (state slot, head), T being the slots (``varlen_state_slots``)."""
+    if meta.get("IS_VARLEN"):
+        return (T, BH, 1)
     return (cdiv(T, meta["BT"]), BH, 1)
 
 
@@ -80,10 +84,12 @@ def _template(name: str, grid) -> TritonTemplate:
 SCAN = _template("gla_chunk_scan", _scan_grid)
 LOCAL = _template("gla_chunk_local", _local_grid)
 CARRY = _template("gla_chunk_carry", _scan_grid)
+SEGSUM = _template("gla_chunk_segsum", _scan_grid)
 DQKG = _template("gla_chunk_bwd_dqkg", _dqkg_grid)
 
 # the named arguments each template writes with tl.store (its main output goes through store_output)
-_WRITTEN = {SCAN.name: ("h", "ht"), LOCAL.name: ("qs", "ks", "dl"), CARRY.name: ("h", "ht"), DQKG.name: ("dk", "dg")}
+_WRITTEN = {SCAN.name: ("h", "ht"), LOCAL.name: ("qs", "ks", "dl"), CARRY.name: ("h", "ht"), DQKG.name: ("dk", "dg"),
+            SEGSUM.name: ("ds",)}
 
 
 def _written(template: TritonTemplate, options: dict) -> tuple[str, ...]:
@@ -230,8 +236,8 @@ class _Plan:
         hint = V.graph.sizevars.optimization_hint
         cfg = default_config(hint(self.N), hint(self.T), hint(self.H), int(self.K), int(self.V), dtype,
                              call.gate_kind == "vector", self.device, call.varlen)
-        if call.varlen:  # the fused schedule only (kernels.chunk says why)
-            cfg = dataclasses.replace(cfg, local=False, split=False, segments=1)
+        if call.varlen:  # no split schedule (kernels.chunk says why)
+            cfg = dataclasses.replace(cfg, split=False)
         self.cfg: ChunkConfig = cfg
         interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
         self.options = kernel_options(self.cfg, dtype, int(self.K), call.gate_kind, call.scale, call.reverse,
@@ -250,24 +256,49 @@ class _Plan:
         T = self.T
         return varlen_state_slots(T, self.N, block_t) if isinstance(T, int) else FloorDiv(T, block_t) + self.N
 
-    def scan(self, layout, tiles: TileConfig, *, write_out: bool, dual: bool, store_states: bool, **tensors):
-        """gla_chunk_scan (see its template): returns the main output; ``h`` and ``ht`` are written."""
+    def scan(self, layout, tiles: TileConfig, *, write_out: bool, dual: bool, store_states: bool, segments: int = 1,
+             **tensors):
+        """gla_chunk_scan (see its template): returns the main output; ``h`` and ``ht`` are written.
+        With segments > 1, after the segments' sums (``scan_segment_sums``)."""
         tensors = {n: t for n, t in {**tensors, **self.gates, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
         options = scan_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                use_h0="h0" in tensors, store_ht="ht" in tensors)
+        if segments > 1:
+            options["SEGMENTS"] = segments
+            hs, ds = self.scan_segment_sums(tensors["q" if dual else "k"], tensors["v"], dual, segments)
+            tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
         return self._select(SCAN, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=t.block_v, tiles=t)
                              for t in _tile_choices(tiles, int(self.V), self.options["BK"], self.options["USE_GK"])])
+
+    def scan_segment_sums(self, x, v, dual: bool, segments: int):
+        """gla_chunk_segsum: (hs, ds), the state each segment of a scan's walk leaves from a zero
+        start (main output) and the decay across it (None without a gate)."""
+        N, H, K = self.N, self.H, self.K
+        o = self.options
+        ds = None
+        if o["USE_GK"] or o["USE_G"] or o["USE_G_GAMMA"]:
+            ds = _empty((N, segments, H) + ((K,) if o["USE_GK"] else ()), torch.float32, self.device)
+        tensors = {n: t for n, t in dict(x=x, v=v, **self.gates, ds=ds, cu_seqlens=self.cu_seqlens).items()
+                   if t is not None}
+        tiles = self.cfg.segsum
+        layout = _layout(self.device, torch.float32, (N, segments, H, K, self.V))
+        hs = self._select(SEGSUM, segsum_options(o, dual=dual, segments=segments), tensors, layout,
+                          [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
+        return hs, ds
 
     def local(self, q, k, *, transpose: bool):
         """gla_chunk_local: (qs, ks, A, dl), the chunk-local terms (see the template); dl is None
         without a gate."""
         B, T, H, K, block_t = self.B, self.T, self.H, self.K, self.cfg.block_t
-        terms = local_terms(self.options, B, T, H, K, _cdiv(T, block_t), block_t)
+        # packed sequences: one program per (state slot, head), dl per slot
+        NT, sizes = (_cdiv(T, block_t), [T, B * H]) if self.cu_seqlens is None else (self.slots(), [self.slots(), H])
+        terms = local_terms(self.options, B, T, H, K, NT, block_t)
         qs, ks, dl = (None if terms[n] is None else _empty(*terms[n], self.device) for n in ("qs", "ks", "dl"))
-        tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl).items() if t is not None}
+        tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl, cu_seqlens=self.cu_seqlens).items()
+                   if t is not None}
         A = self._select(LOCAL, local_options(self.options, transpose), tensors,
-                         _layout(self.device, terms["A"][1], terms["A"][0]), [T, B * H],
+                         _layout(self.device, terms["A"][1], terms["A"][0]), sizes,
                          [dict(tiles=self.cfg.local_tile)])
         return qs, ks, A, dl
 
@@ -275,26 +306,26 @@ class _Plan:
         """gla_chunk_carry on gla_chunk_local's terms: returns the main output; ``h`` and ``ht`` are
         written. With segments > 1, after the segments' sums (``segment_sums``). One tile (the
         eager default): its max-autotune space is not explored yet."""
-        tensors = {n: t for n, t in tensors.items() if t is not None}
+        tensors = {n: t for n, t in {**tensors, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
         if segments > 1:
             hs, ds = self.segment_sums(tensors["y"], tensors["v"], tensors.get("dl"), dual, segments)
             tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
         options = carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                 use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments)
         tiles = self.cfg.carry
-        return self._select(CARRY, options, tensors, layout, [self.B * self.H, self.V],
+        return self._select(CARRY, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
 
     def segment_sums(self, y, v, dl, dual: bool, segments: int):
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs, ds), the state each segment leaves from a zero
         start (main output) and the decay across it (None without a gate)."""
-        B, H = self.B, self.H
-        ds = None if dl is None else _empty((B, segments, *dl.get_size()[2:]), torch.float32, self.device)
-        tensors = {n: t for n, t in dict(y=y, v=v, dl=dl, ds=ds).items() if t is not None}
+        N, H = self.N, self.H  # the states' batch: the sequences, where packed
+        ds = None if dl is None else _empty((N, segments, *dl.get_size()[2:]), torch.float32, self.device)
+        tensors = {n: t for n, t in dict(y=y, v=v, dl=dl, ds=ds, cu_seqlens=self.cu_seqlens).items() if t is not None}
         options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True)
         tiles = self.cfg.carry
-        layout = _layout(self.device, torch.float32, (B, segments, H, self.K, self.V))
-        hs = self._select(CARRY, options, tensors, layout, [B * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
+        layout = _layout(self.device, torch.float32, (N, segments, H, self.K, self.V))
+        hs = self._select(CARRY, options, tensors, layout, [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
         return hs, ds
 
     def dqkg(self, layout, **tensors):
@@ -375,7 +406,7 @@ def chunk_fwd(*args, **kwargs):
                        h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.segments)
     else:
         o = plan.scan(layout, plan.cfg.scan, write_out=True, dual=False, store_states=False, q=q, k=k, v=v,
-                      h0=initial_state, ht=ht if output_final_state else None)
+                      h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.scan_segments)
     return o, ht
 
 
@@ -410,9 +441,11 @@ def chunk_bwd(*args, **kwargs):
         dv = plan.carry(dv_layout, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl,
                         h0=dht, h=dh, ht=dh0 if initial_state is not None else None, segments=cfg.segments)
     else:
-        h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state)
+        P = cfg.bwd_scan_segments
+        h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state,
+                      segments=P)
         dv = plan.scan(dv_layout, cfg.dual, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht,
-                       h=dh, ht=dh0 if initial_state is not None else None)
+                       h=dh, ht=dh0 if initial_state is not None else None, segments=P)
     # dq (main output), dk, dg; a constant gate's per-step gradients are summed over batch and time.
     # q and k shared by groups of heads: dq and dk per head of v in fp32, summed over the groups below
     group = plan.group

@@ -359,8 +359,14 @@ def test_forward_scan_value_tiles_narrow_where_programs_leave_sms_idle(monkeypat
     def scan_tile(B, T, H, K, V, vector=False):
         return kconfigs.default_config(B, T, H, K, V, torch.bfloat16, vector, torch.device("cuda")).scan
 
+    # where the programs leave SMs idle the scan now walks in segments (scan_segments), which brings
+    # the programs; its value tiles then stay 64 wide (tests/kernels/test_chunk_parallel_schedule.py)
+    monkeypatch.setenv("GLA_INDUCTOR_SCAN_SEGMENTS", "1")
     assert scan_tile(2, 4096, 16, 128, 128) == kconfigs.TileConfig(block_v=32, num_warps=4, num_stages=2)
     assert scan_tile(1, 8192, 96, 64, 64).block_v == 32  # 96 programs of 64 values
+    kconfigs.default_config.cache_clear()
+    monkeypatch.delenv("GLA_INDUCTOR_SCAN_SEGMENTS")
+    assert scan_tile(2, 4096, 16, 128, 128) == kconfigs.TileConfig(block_v=64, num_warps=4, num_stages=2)
     assert scan_tile(8, 2048, 16, 128, 128).block_v == 64  # 256 programs of 64 values
     assert scan_tile(1, 8192, 96, 128, 128).block_v == 64  # 192
     assert scan_tile(2, 4096, 16, 32, 128, vector=True).block_v == 128  # vector gates keep theirs
