@@ -113,7 +113,16 @@ def _template_reason(call: GLACall) -> Optional[str]:
     return recurrent_unsupported_reason(meta_call, meta_call.initial_state)
 
 
+# Inductor of torch < 2.13 schedules the state's in-place copy before the output's reduction that
+# reads the old state (a write-after-read on a graph input it does not order): seen on 2.11's C++
+# backend, o then read the updated state.
+_ORDERS_INPUT_MUTATION = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
 def _decompose_reason(call: GLACall) -> Optional[str]:
+    if not _ORDERS_INPUT_MUTATION:
+        return (f"torch {torch.__version__}: its Inductor may write the state before the output reads it "
+                "(the decomposition needs torch >= 2.13)")
     if call.state_indices is not None:
         return "a state pool (state_indices): the decomposition has no slot gather and masked scatter"
     T = call.q.get_size()[1]

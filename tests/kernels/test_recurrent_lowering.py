@@ -23,6 +23,8 @@ triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 INTERPRETED = type(triton.language.cumsum).__name__ == "InterpretedFunction"
+needs_decomposition = pytest.mark.skipif(not lrecurrent._ORDERS_INPUT_MUTATION,
+                                         reason="the decomposition needs torch >= 2.13 (it falls back there)")
 needs_triton = pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs a GPU or TRITON_INTERPRET=1")
 
 # how the output code calls the eager op (a fallback), as opposed to comments that name it
@@ -131,6 +133,7 @@ def test_template_bf16_inputs_and_state(triton_inductor):
 
 
 @needs_triton
+@needs_decomposition
 def test_float64_takes_the_decomposition_under_auto(triton_inductor):
     """The kernel has no fp64: auto decomposes (Triton pointwise and reduction kernels). No gate:
     the interpreter cannot run libdevice's fp64 exp."""
@@ -143,6 +146,7 @@ def test_float64_takes_the_decomposition_under_auto(triton_inductor):
 # ----------------------------------------------------------------------------------------------
 
 
+@needs_decomposition
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("T", [1, 4])
 def test_decomposition_in_cpp(cpp_inductor, gate, T):
@@ -150,11 +154,13 @@ def test_decomposition_in_cpp(cpp_inductor, gate, T):
     assert not EXTERN_CALL.search(code) and "cpp_fused" in code, code
 
 
+@needs_decomposition
 def test_decomposition_grouped_transposed_float64(cpp_inductor):
     code = _run_twice("decompose", "scalar", T=2, G=1, transpose_state=True, dtype=torch.float64, device="cpu")
     assert not EXTERN_CALL.search(code), code
 
 
+@needs_decomposition
 def test_extern_and_fallbacks_are_logged(cpp_inductor, caplog):
     """extern: the eager op; past DECOMPOSE_MAX_T steps auto falls back to it with the reason."""
     code = _run_twice("extern", "vector", T=2, device="cpu")
@@ -166,6 +172,17 @@ def test_extern_and_fallbacks_are_logged(cpp_inductor, caplog):
     assert EXTERN_CALL.search(code), code
     assert any("fused_recurrent lowers to an extern call" in r.message and "T = 9" in r.message
                for r in caplog.records), caplog.text
+
+
+def test_torch_without_input_mutation_order_falls_back(cpp_inductor, caplog, monkeypatch):
+    """Where Inductor does not order the state's copy after the output's read (torch < 2.13),
+    auto and decompose take the extern op, with the reason logged, and stay exact."""
+    monkeypatch.setattr(lrecurrent, "_ORDERS_INPUT_MUTATION", False)
+    lrecurrent._note_fallback.cache_clear()
+    with caplog.at_level(logging.INFO, logger="gla_inductor"):
+        code = _run_twice("auto", "scalar", T=1, device="cpu")
+    assert EXTERN_CALL.search(code), code
+    assert any("torch >= 2.13" in r.message for r in caplog.records), caplog.text
 
 
 def test_unknown_mode_is_refused(cpp_inductor):
@@ -221,6 +238,7 @@ def test_template_pool_slots_in_place(triton_inductor, v_first):
     assert "copy_" not in host and "clone" not in host, host  # the pool is never copied
 
 
+@needs_decomposition
 def test_pool_under_decompose_falls_back_with_the_reason(cpp_inductor, caplog):
     q, k, v, g, stored, idx = _pool_case(False, "cpu")
     before = stored.clone()
@@ -256,5 +274,6 @@ def test_template_with_a_dynamic_batch(triton_inductor):
     _dynamic_batches(DEVICE, lambda code: TEMPLATE_KERNEL in code)
 
 
+@needs_decomposition
 def test_decomposition_with_a_dynamic_batch(cpp_inductor):
     _dynamic_batches("cpu", lambda code: "cpp_fused" in code)
