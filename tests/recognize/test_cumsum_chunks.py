@@ -346,5 +346,9 @@ def test_an_opaque_decay_is_reported():
     outs, results = compile_rewritten(mod, args)
     assert not [m for r in results for m in r.matches]
     reasons = [n.reason for r in results for n in r.near_misses if n.form == "chunked"]
-    assert len(reasons) == 1 and "a chunk state is a cumulative sum over chunks" in reasons[0], reasons
-    assert "gamma ** n" in reasons[0] and rel_err(outs[0], mod(*args)) < 1e-6
+    # with the chunk loops' buffer tables read, the intra-chunk term is found and the candidate
+    # fails certification; where it is not found, the unread chunk states are reported
+    assert len(reasons) == 1, reasons
+    assert ("no reading of the chunked computation as GLA was certified" in reasons[0]
+            or "a chunk state is a cumulative sum over chunks" in reasons[0] and "gamma ** n" in reasons[0]), reasons
+    assert rel_err(outs[0], mod(*args)) < 1e-6

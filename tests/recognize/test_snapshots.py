@@ -140,32 +140,30 @@ class GraphModule(torch.nn.Module):
         mul: "f32[2, 4, 5, 4]" = dt * A;  dt = A = None
         dA: "f32[2, 4, 5, 4]" = torch.exp(mul);  mul = None
 
-        getitem_4: "f32[2, 1, 2, 1, 4]" = l_cg_[(slice(None, None, None), None, slice(None, None, None), None, slice(None, None, None))];  l_cg_ = None
-        expand_4: "f32[2, 1, 2, 2, 4]" = getitem_4.expand(-1, 1, -1, 2, -1);  getitem_4 = None
-        reshape_4: "f32[2, 1, 4, 4]" = expand_4.reshape(2, 1, 4, 4);  expand_4 = None
-        getitem_5: "f32[2, 1, 2, 1, 4]" = l_bg_[(slice(None, None, None), None, slice(None, None, None), None, slice(None, None, None))];  l_bg_ = None
-        expand_5: "f32[2, 1, 2, 2, 4]" = getitem_5.expand(-1, 1, -1, 2, -1);  getitem_5 = None
-        reshape_5: "f32[2, 1, 4, 4]" = expand_5.reshape(2, 1, 4, 4);  expand_5 = None
+        getitem_4: "f32[2, 1, 2, 4]" = l_cg_[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  l_cg_ = None
+        expand_4: "f32[2, 1, 2, 4]" = getitem_4.expand(-1, 1, -1, -1);  getitem_4 = None
+        getitem_5: "f32[2, 1, 2, 4]" = l_bg_[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  l_bg_ = None
+        expand_5: "f32[2, 1, 2, 4]" = getitem_5.expand(-1, 1, -1, -1);  getitem_5 = None
         select: "f32[2, 4]" = torch.select(softplus, 2, 0);  softplus = None
-        reshape_6: "f32[2, 2, 2]" = select.reshape(2, 2, 2);  select = None
-        reshape_7: "f32[2, 2, 2, 5]" = l_x_.reshape(2, 2, 2, 5)
-        einsum: "f32[2, 2, 2, 5]" = torch.functional.einsum('bAB,bABv->bABv', reshape_6, reshape_7);  reshape_6 = reshape_7 = None
+        reshape_4: "f32[2, 2, 2]" = select.reshape(2, 2, 2);  select = None
+        reshape_5: "f32[2, 2, 2, 5]" = l_x_.reshape(2, 2, 2, 5)
+        einsum: "f32[2, 2, 2, 5]" = torch.functional.einsum('bAB,bABv->bABv', reshape_4, reshape_5);  reshape_4 = reshape_5 = None
         getitem_6: "f32[2, 1, 2, 2, 5]" = einsum[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None), slice(None, None, None))];  einsum = None
         expand_6: "f32[2, 1, 2, 2, 5]" = getitem_6.expand(-1, 1, -1, -1, -1);  getitem_6 = None
-        reshape_8: "f32[2, 1, 4, 5]" = expand_6.reshape(2, 1, 4, 5);  expand_6 = None
+        reshape_6: "f32[2, 1, 4, 5]" = expand_6.reshape(2, 1, 4, 5);  expand_6 = None
         select_1: "f32[2, 4, 5]" = torch.select(dA, 3, 0);  dA = None
         select_2: "f32[2, 4]" = torch.select(select_1, 2, 0);  select_1 = None
-        reshape_9: "f32[2, 2, 2]" = select_2.reshape(2, 2, 2);  select_2 = None
-        getitem_7: "f32[2, 1, 2, 2]" = reshape_9[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  reshape_9 = None
+        reshape_7: "f32[2, 2, 2]" = select_2.reshape(2, 2, 2);  select_2 = None
+        getitem_7: "f32[2, 1, 2, 2]" = reshape_7[(slice(None, None, None), None, slice(None, None, None), slice(None, None, None))];  reshape_7 = None
         expand_7: "f32[2, 1, 2, 2]" = getitem_7.expand(-1, -1, -1, -1);  getitem_7 = None
-        reshape_10: "f32[2, 1, 4]" = expand_7.reshape(2, 1, 4);  expand_7 = None
-        log: "f32[2, 1, 4]" = torch.log(reshape_10);  reshape_10 = None
+        reshape_8: "f32[2, 1, 4]" = expand_7.reshape(2, 1, 4);  expand_7 = None
+        log: "f32[2, 1, 4]" = torch.log(reshape_8);  reshape_8 = None
         permute: "f32[2, 4, 4, 5]" = torch.permute(l_cache_, (0, 1, 3, 2));  l_cache_ = None
-        fused_recurrent_default: "f32[2, 1, 4, 5]" = torch.ops.gla_inductor.fused_recurrent.default(reshape_4, reshape_5, reshape_8, log, None, permute, 1.0, False);  reshape_4 = reshape_5 = reshape_8 = log = permute = None
+        fused_recurrent_default: "f32[2, 1, 4, 5]" = torch.ops.gla_inductor.fused_recurrent.default(expand_4, expand_5, reshape_6, log, None, permute, 1.0, False);  expand_4 = expand_5 = reshape_6 = log = permute = None
         squeeze: "f32[2, 4, 5]" = torch.squeeze(fused_recurrent_default, 1);  fused_recurrent_default = None
-        reshape_11: "f32[8, 5, 1]" = squeeze.reshape(8, 5, 1);  squeeze = None
+        reshape_9: "f32[8, 5, 1]" = squeeze.reshape(8, 5, 1);  squeeze = None
 
-        view_2: "f32[2, 4, 5]" = reshape_11.view(2, 4, 5);  reshape_11 = None
+        view_2: "f32[2, 4, 5]" = reshape_9.view(2, 4, 5);  reshape_9 = None
         add_1: "f32[2, 4, 5]" = view_2 + l_x_;  view_2 = l_x_ = None
         return (add_1,)
 """)

@@ -75,7 +75,7 @@ def certify(an: Analyzer, spec: Spec) -> bool:
     """Whether the subgraph from the spec's inputs to its outputs equals the replacement."""
     leaves = spec.leaves()
     cut = set(leaves.values())
-    nodes, frontier, consts = subgraph(an, spec.outputs(), cut)
+    nodes, frontier, consts = subgraph(an, spec.outputs(), cut, static=spec.static_tables)
     if frontier or any(_symbolic(n) for n in list(nodes) + list(cut)):
         return False
     if not evaluate_consts(an, consts):

@@ -22,7 +22,7 @@ def fitted_gamma(an: Analyzer, spec: Spec) -> Optional[Spec]:
     if spec.sizes["t"] < 2 or any(lf.select or lf.unflatten for lf in (spec.q, spec.k, spec.v)):
         return None
     leaves = spec.leaves()
-    nodes, frontier, consts = subgraph(an, [spec.out], set(leaves.values()))
+    nodes, frontier, consts = subgraph(an, [spec.out], set(leaves.values()), static=spec.static_tables)
     if frontier or not evaluate_consts(an, consts) or any(len(g) > 1 for g in spec.out_groups):
         return None
     try:

@@ -38,6 +38,9 @@ class Spec:
     splits: dict = field(default_factory=dict)
     gate_is_log: bool = True  # the gate input is the log decay (else the decay itself)
     gamma: Optional[tuple] = None  # a constant log decay per head, read off the code
+    # module state (buffers) read at its compile-time values, as constants of the certificate;
+    # only where the rewrite computes its gate from that state and guards it (``table_gate.py``)
+    static_tables: bool = False
 
     def leaves(self) -> dict:
         res = {"q": self.q.node, "k": self.k.node, "v": self.v.node}

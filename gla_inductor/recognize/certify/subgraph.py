@@ -15,7 +15,7 @@ from ..core.consts import example_value
 from ..core.op_names import op_name
 
 
-def subgraph(an: Analyzer, outputs: list, cut: set, static: bool = True) -> tuple[set, set, dict]:
+def subgraph(an: Analyzer, outputs: list, cut: set, static: bool = False) -> tuple[set, set, dict]:
     """(nodes, frontier, consts): the nodes between `cut` and `outputs`, the data they read
     that is neither cut nor analytic (placeholders, other ops), and their constants (with
     `static`, values computed from module state too: decay tables in buffers). The

@@ -27,10 +27,12 @@ MAX_CANDIDATES = 8  # letterings tried per input: more means the shapes are too 
 FINAL_STATE_REACH = 64  # nodes searched past the last one computed from the subgraph
 
 
-def complete(an: Analyzer, base: Spec) -> Spec:
-    """The gate, initial state and final state: the first reading that certifies."""
+def complete(an: Analyzer, base: Spec, tables_gate: bool = False) -> Spec:
+    """The gate, initial state and final state: the first reading that certifies. `tables_gate`:
+    the caller computes a constant gate in the graph from decay tables in module state
+    (``table_gate.py``), so where the code reads such tables the fitted gate is tried first."""
     tried, too_large = 0, None
-    for spec in readings(an, base):
+    for spec in readings(an, base, tables_gate):
         spec = fitted_gamma(an, spec) if spec.gate == "fit" else spec
         if spec is None:
             continue
@@ -45,16 +47,17 @@ def complete(an: Analyzer, base: Spec) -> Spec:
     raise too_large or Reject("no reading of the chunked computation as GLA was certified")
 
 
-def readings(an: Analyzer, base: Spec):
+def readings(an: Analyzer, base: Spec, tables_gate: bool = False):
     """Specs with a gate, initial state and final state whose inputs explain all the data the
     computation reads, in the order they are tried (uncertified; a constant gate to fit is
     left as gate "fit")."""
     core = {base.q.node, base.k.node, base.v.node}
-    nodes, frontier, _ = subgraph(an, base.outputs(), core, static=False)  # buffers may be gates
-    tables = reads_module_state(an, subgraph(an, base.outputs(), core)[2])
+    nodes, frontier, _ = subgraph(an, base.outputs(), core)  # buffers may be gates
+    tables = tables_gate and reads_module_state(an, subgraph(an, base.outputs(), core, static=True)[2])
+    base = replace(base, static_tables=bool(tables))
     for gate in _gate_options(an, base, nodes | frontier, fit_first=bool(tables)):
         cut = core | ({gate.g.node} if gate.g is not None else set())
-        nodes, frontier, consts = subgraph(an, [base.out], cut)
+        nodes, frontier, consts = subgraph(an, [base.out], cut, static=base.static_tables)
         for h0, h0_groups in _state_options(base, frontier):
             if frontier - {h0}:
                 continue  # data the computation reads is left unexplained
@@ -159,7 +162,7 @@ def _local_writes(an: Analyzer, nodes: set, consts: dict, outputs: list) -> list
 
 def module_state_reads(an: Analyzer, spec: Spec) -> list:
     """The constants of the certified subgraph that hold module state (decay tables)."""
-    return reads_module_state(an, subgraph(an, spec.outputs(), set(spec.leaves().values()))[2])
+    return reads_module_state(an, subgraph(an, spec.outputs(), set(spec.leaves().values()), static=True)[2])
 
 
 def match_of(an: Analyzer, spec: Spec, in_graph_gate=None) -> Match:
@@ -170,7 +173,7 @@ def match_of(an: Analyzer, spec: Spec, in_graph_gate=None) -> Match:
     late = [d.name for d in deps if an.order[d] >= an.order[anchor]]
     if late:
         raise Reject(f"inputs {late} are computed after the output")
-    nodes, _, consts = subgraph(an, spec.outputs(), set(deps))
+    nodes, _, consts = subgraph(an, spec.outputs(), set(deps), static=spec.static_tables)
     state = reads_module_state(an, consts)
     if state and in_graph_gate is None:
         names = sorted({n.name for n in state})[:3]

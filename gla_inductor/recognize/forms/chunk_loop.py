@@ -54,7 +54,7 @@ def analyze(an: Analyzer, asm, elems: list) -> Match:
         for out_letters in letterings(tuple(example_value(out).shape), "bthv", sizes):
             base = Spec(q, k, v, None, "none", None, [], out, list(out_letters), None, [], term[0], sizes)
             try:
-                return _match(an, complete(an, base), elems[0])
+                return _match(an, complete(an, base, tables_gate=True), elems[0])
             except CertificateTooLarge as e:
                 too_large = first_too_large(too_large, e)
             except Reject:
