@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .gates import GateFn, log_gate
+from .gates import GateFn, check_gate_name, log_gate
 
 __all__ = [
     "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "CHUNK_STATES_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning",
@@ -78,7 +78,7 @@ class GLACall:
     scale: float = 1.0
     output_final_state: bool = False
     reverse: bool = False
-    gate: GateFn = GateFn()
+    gate: GateFn = GateFn()  # a NamedTuple: Dynamo must wrap every default (see gates.GateFn)
     gate_a: Any = None
     gate_bias: Any = None
     cu_seqlens: Any = None
@@ -368,6 +368,7 @@ def validate_inputs(q, k, v, g, g_gamma, initial_state, *, api: str = "chunk_gla
 
 def validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias, *, api: str = "chunk_gla") -> None:
     """Clear errors for a fused gate's inputs."""
+    check_gate_name(fn.name, api)
     if not fn.name:
         if gate_a is not None or gate_bias is not None:
             raise ValueError(f"{api}: gate_a and gate_bias need gate_fn='softplus'")

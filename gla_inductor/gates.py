@@ -19,31 +19,33 @@ those of x, a and bias (the sums giving a's and bias's gradients need it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["GATE_FNS", "GateFn", "gate_grads", "log_gate"]
+__all__ = ["GATE_FNS", "GateFn", "check_gate_name", "gate_grads", "log_gate"]
 
 GATE_FNS = ("logsigmoid", "softplus")
 _CODES = {"": 0, "logsigmoid": 1, "softplus": 2}  # GATE_FN of the kernels
 
 
-@dataclass(frozen=True)
-class GateFn:
-    """A fused gate function and its constants ("" is no function: the ops read the log gate)."""
+class GateFn(NamedTuple):
+    """A fused gate function and its constants ("" is no function: the ops read the log gate).
+
+    A NamedTuple rather than a dataclass: the public functions build one, and a ``GLACall`` around
+    it, in the frames that ``torch.compile(fullgraph=True)`` traces. Dynamo wraps a namedtuple
+    wherever it meets one; torch 2.11's Dynamo cannot wrap a dataclass instance it meets without
+    a source, as it meets ``GLACall``'s default ``GateFn()`` (inlining a function with no source,
+    such as a dataclass's generated ``__init__``, it wraps every default value, passed or not).
+    So no ``__post_init__``: names are checked by ``check_gate_name`` (the public functions'
+    validation) and ``kernel_options``."""
 
     name: str = ""
     scale: float = 1.0
     lo: Optional[float] = None
     hi: Optional[float] = None
-
-    def __post_init__(self):
-        if self.name not in _CODES:
-            raise ValueError(f"gate_fn must be one of {GATE_FNS} (or empty), got {self.name!r}")
 
     @property
     def input_grad(self) -> bool:
@@ -53,6 +55,7 @@ class GateFn:
 
     def kernel_options(self) -> dict:
         """The kernels' constexprs (finite floats: the options are emitted as code)."""
+        check_gate_name(self.name)
         return dict(
             GATE_FN=_CODES[self.name],
             GATE_SCALE=float(self.scale),
@@ -61,6 +64,13 @@ class GateFn:
             HAS_HI=self.hi is not None,
             GATE_HI=float(self.hi) if self.hi is not None else 0.0,
         )
+
+
+def check_gate_name(name: str, api: str = "") -> None:
+    """Raise unless ``name`` is a gate function (or "", none); ``api`` prefixes the message."""
+    if name not in _CODES:
+        prefix = f"{api}: " if api else ""
+        raise ValueError(f"{prefix}gate_fn must be one of {GATE_FNS} (or empty), got {name!r}")
 
 
 def _clamp(y: Tensor, fn: GateFn) -> Tensor:

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..contract import GLACall
 from ..ops import chunk_gla
-from ..gates import GateFn, log_gate
+from ..gates import GateFn, check_gate_name, log_gate
 from . import tensor_parallel as tp
 
 __all__ = ["context_parallel_gla", "chunk_fwd_over_time"]
@@ -333,6 +333,7 @@ def context_parallel_gla(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"context_parallel_gla: layout must be one of {LAYOUTS}, got {layout!r}")
+    check_gate_name(gate_fn or "", "context_parallel_gla")
     fn = GateFn(gate_fn or "", float(gate_scale), None if gate_lo is None else float(gate_lo),
                 None if gate_hi is None else float(gate_hi))
     if scale is None:

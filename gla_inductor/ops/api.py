@@ -176,9 +176,7 @@ def fused_recurrent_gla(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     h0 = None if initial_state is None else _kv(initial_state, state_v_first)
-    # the gate passed explicitly: Dynamo cannot trace the dataclass default GateFn() instance
-    call = GLACall(q, k, v, g, g_gamma, h0, float(scale), reverse=bool(reverse), gate=GateFn(),
-                   state_indices=ssm_state_indices)
+    call = GLACall(q, k, v, g, g_gamma, h0, float(scale), reverse=bool(reverse), state_indices=ssm_state_indices)
     if inplace_final_state:
         o = torch.ops.gla_inductor.fused_recurrent(*call.recurrent_op_args(h0))
         return o, (initial_state if output_final_state else None)
