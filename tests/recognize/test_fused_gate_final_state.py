@@ -35,9 +35,10 @@ def into_chunks(t, pad):
     return t.reshape(t.shape[0], -1, CHUNK, *t.shape[2:])
 
 
-def ssd(x, A, B, C):
+def ssd(x, A, B, C, h0=None):
     """Mamba2's SSD chunk scan (as transformers' torch fallback): x [b, t, h, p], the log gate
-    A [b, t, h], B and C [b, t, h, n]; (y, the final state [b, h, p, n])."""
+    A [b, t, h], B and C [b, t, h, n], the initial state h0 [b, h, p, n] or None; (y, the final
+    state [b, h, p, n])."""
     T = x.shape[1]
     pad = (CHUNK - T % CHUNK) % CHUNK
     x, A, B, C = (into_chunks(t, pad) for t in (x, A, B, C))
@@ -47,7 +48,7 @@ def ssd(x, A, B, C):
     y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, L, x)
     decay_states = torch.exp(A_cumsum[:, :, :, -1:] - A_cumsum)
     states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_states, x)
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], 1)
+    states = torch.cat([torch.zeros_like(states[:, :1]) if h0 is None else h0[:, None], states], 1)
     decay_chunk = torch.exp(segment_sum(F.pad(A_cumsum[:, :, :, -1], (1, 0))))
     new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final_state = new_states[:, :-1], new_states[:, -1]
@@ -59,10 +60,10 @@ def ssd(x, A, B, C):
 def mamba2(limit):
     """The Mamba2 mixer's scan: dt = clamp(softplus(dt + dt_bias), *limit), A = -exp(A_log) * dt."""
 
-    def fn(x, dt, A_log, dt_bias, B, C):
+    def fn(x, dt, A_log, dt_bias, B, C, h0=None):
         dt = torch.clamp(F.softplus(dt + dt_bias), min=limit[0], max=limit[1])
         A = -torch.exp(A_log) * dt.to(x.dtype)
-        return ssd(x * dt[..., None].to(x.dtype), A, B, C)
+        return ssd(x * dt[..., None].to(x.dtype), A, B, C, h0)
 
     return fn
 
@@ -72,7 +73,7 @@ def gla_clamped_above(x, w, B, C):
     return ssd(x, (F.logsigmoid(w) / 4).clamp(max=-0.05), B, C)
 
 
-def inputs(T, softplus=True, B=2, H=3, P=4, N=5, seed=0):
+def inputs(T, softplus=True, initial_state=False, B=2, H=3, P=4, N=5, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, H, P, generator=gen)
     w = 4 * torch.randn(B, T, H, generator=gen)  # dt from softplus(-8) ~ 3e-4 to softplus(10)
@@ -81,7 +82,8 @@ def inputs(T, softplus=True, B=2, H=3, P=4, N=5, seed=0):
         return [x, w, Bm, Cm]
     A_log = 2 * torch.rand(H, generator=gen)
     dt_bias = 2.5 * torch.rand(H, generator=gen) - 2
-    return [x, w, A_log, dt_bias, Bm, Cm]
+    h0 = [torch.randn(B, H, P, N, generator=gen)] if initial_state else []
+    return [x, w, A_log, dt_bias, Bm, Cm, *h0]
 
 
 def check(fn, args, fused):
@@ -94,22 +96,29 @@ def check(fn, args, fused):
     assert counters["gla_inductor"]["fused_gates"] == fused
 
 
-@pytest.mark.parametrize("limit", [(1e-3, float("inf")), (1e-3, 2.0)], ids=["min", "min_max"])
-def test_time_step_limit_with_padding_is_not_fused(limit):
+LIMITS = pytest.mark.parametrize("limit", [(1e-3, float("inf")), (1e-3, 2.0)], ids=["min", "min_max"])
+INITIAL = pytest.mark.parametrize("initial_state", [False, True], ids=["h0_none", "h0"])
+
+
+@LIMITS
+@INITIAL
+def test_time_step_limit_with_padding_is_not_fused(limit, initial_state):
     """T = 13 in chunks of 4: three padded steps. The clamp lifts the fused gate's padding to
     a * lo, the graph's is 0: the certificate refuses, the state is exact. (Fused, the state was
     off by about 1e-2 here, the output not at all.)"""
-    args = inputs(13)
+    args = inputs(13, initial_state=initial_state)
     lo_hit = (F.softplus(args[1] + args[3]) < limit[0]).any()
     assert lo_hit  # real inputs cross the clamp's lower bound too
     check(mamba2(limit), args, fused=0)
     assert counters["gla_inductor"]["fused_gates_refused"] == 1
 
 
-@pytest.mark.parametrize("limit", [(1e-3, float("inf")), (1e-3, 2.0)], ids=["min", "min_max"])
-def test_time_step_limit_without_padding_is_fused(limit):
-    """T = 12, whole chunks: the clamped gate is fused, both bounds crossed, the state exact."""
-    args = inputs(12)
+@LIMITS
+@INITIAL
+def test_time_step_limit_without_padding_is_fused(limit, initial_state):
+    """T = 12, whole chunks: the clamped gate is fused, both bounds crossed, the state (from an
+    initial state too) exact."""
+    args = inputs(12, initial_state=initial_state)
     sp = F.softplus(args[1] + args[3])
     assert (sp < limit[0]).any() and (limit[1] == float("inf") or (sp > limit[1]).any())
     check(mamba2(limit), args, fused=1)
