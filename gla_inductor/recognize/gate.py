@@ -14,8 +14,12 @@ head axis only, or along head and key for the bias of a vector gate) and passes 
 the gate was, with the function's constants. The gate tensor then dies: no gate of x's size is
 written, and autograd of the op returns the gradients of x, a and bias.
 
-Fused only when the gate is read by nothing else (it would be materialized anyway). A candidate that
-does not match exactly is left as it is.
+Fused only when the gate is read by nothing else (it would be materialized anyway), and only when
+a certificate shows the fused gate equal to the graph's: both evaluated in float64 at random inputs
+that cross the clamp's bounds, the padded positions included. Those matter: the op's final state
+decays through them, and a zero-padded gate is replayed as x padded with the function's zero, which
+a clamp away from 0 moves (Mamba2's softplus clamped to a time-step limit lo > 0 gives a * lo
+there). A candidate that does not match exactly, or is not certified, is left as it is.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from ..contract import GLACall
-from ..gates import GateFn
+from ..gates import GateFn, log_gate
 from .core.clean import dead_code_elimination
 from .core.consts import example_value
 from .core.op_names import op_name
@@ -125,7 +130,15 @@ def _plan(op: fx.Node) -> Optional[_Fusion]:
     if chain is None or len(chain.start.users) != 1:
         return None
     gdim = _val(g).dim()
-    return _logsigmoid_gate(op, chain) or _softplus_gate(op, chain, gdim)
+    fusion = _logsigmoid_gate(op, chain) or _softplus_gate(op, chain, gdim)
+    if fusion is None:
+        return None
+    why = _uncertified(fusion, g)
+    if why is not None:
+        log.info("gla_inductor: gate fusion of %s refused: %s", op.name, why)
+        counters["gla_inductor"]["fused_gates_refused"] += 1
+        return None
+    return fusion
 
 
 def _chain(g: fx.Node) -> Optional[_Chain]:
@@ -386,6 +399,142 @@ def _per_head_ok(f: _Fusion, gdim: int) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+# certificate
+# ----------------------------------------------------------------------------------------------
+
+_CERT_TOL = 1e-9  # float64: the two sides differ by rounding only
+_CERT_NODES = 64  # a gate's subgraph is a handful of nodes; more is not one of ours
+_CERT_BATCH_TIME = (2, 32)  # x's batch and time extents evaluated (the padding comes on top)
+
+
+def _uncertified(f: _Fusion, g: fx.Node) -> Optional[str]:
+    """Why the fused gate may differ from the graph's g, or None: both evaluated in float64 (casts
+    as identities: the kernels compute the gate in fp32 whatever x's dtype) at random x, a and bias,
+    x spread so the clamp's bounds are crossed on both sides, over every head and key, a few batch
+    rows and steps, and the padded positions (the final state decays through those)."""
+    leaves = [n for n in (f.x, f.a, f.bias) if n is not None]
+    nodes = _subgraph(g, leaves)
+    if nodes is None:
+        return "the gate reads more than x and its per-head parameters"
+    gen = torch.Generator().manual_seed(0)
+    values = {}
+    for leaf in leaves:
+        shape = _concrete_shape(leaf)
+        if shape is None:
+            return f"no size hint for {leaf.name}"
+        if leaf is f.x:  # the gate is pointwise along batch and time: a few of each are as good
+            for axis, most in zip(f.chain.perm[:2], _CERT_BATCH_TIME):
+                shape[axis] = min(shape[axis], most)
+        values[leaf] = torch.randn(shape, generator=gen, dtype=torch.float64)
+    values[f.x] = _spread(values[f.x], f.fn, gen)
+    try:
+        want = _evaluate(nodes, values)
+        got = _fused_gate(f, values, list(want.shape))
+    except Exception as e:  # a node this evaluator cannot run: no certificate, no fusion
+        return f"the gate could not be evaluated ({type(e).__name__}: {e})"
+    if got.shape != want.shape:
+        return f"the fused gate has shape {tuple(got.shape)}, the graph's {tuple(want.shape)}"
+    both_inf = torch.isinf(got) & (got == want)
+    err = torch.where(both_inf, 0.0, (got - want).abs()).nan_to_num(math.inf)  # NaN or one-sided inf: inf
+    finite = want[torch.isfinite(want)]
+    scale = max(finite.abs().max().item() if finite.numel() else 0.0, 1.0)
+    worst = err.max().item() if err.numel() else 0.0
+    if worst > _CERT_TOL * scale:
+        where = "at padded positions" if _differs_only_in_padding(f, got, want) else "at random points"
+        return (f"the fused {f.fn.name} gate (clamp {f.fn.lo}, {f.fn.hi}) differs from the graph's "
+                f"{where} by {worst:.3g} in float64")
+    return None
+
+
+def _subgraph(g: fx.Node, leaves: list) -> Optional[list]:
+    """The nodes from the leaves to g, in graph order; None if g depends on another input."""
+    seen, todo = set(), [g]
+    while todo:
+        node = todo.pop()
+        if node in seen or node in leaves:
+            continue
+        if node.op not in ("call_function", "call_method") or len(seen) >= _CERT_NODES:
+            return None
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(g.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _concrete_shape(node: fx.Node) -> Optional[list]:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    shape = []
+    for d in _val(node).shape:
+        try:
+            shape.append(int(d) if isinstance(d, int) else int(optimization_hint(d)))
+        except Exception:
+            return None
+    return shape
+
+
+def _spread(x: torch.Tensor, fn: GateFn, gen: torch.Generator) -> torch.Tensor:
+    """Gate inputs over the function's whole range, a third of them next to the clamp's bounds
+    (the inverse of the function there, give or take the bias's spread)."""
+    wide = (torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1) * 30
+    edges = [b for b in (fn.lo, fn.hi) if b is not None]
+    inverse = [_inverse(fn, b) for b in edges]
+    inverse = [z for z in inverse if z is not None and math.isfinite(z)]
+    if not inverse:
+        return wide
+    near = torch.tensor(inverse, dtype=torch.float64)[torch.randint(len(inverse), x.shape, generator=gen)]
+    near = near + x  # x: standard normal
+    pick = torch.rand(x.shape, generator=gen) < 1 / 3
+    return torch.where(pick, near, wide)
+
+
+def _inverse(fn: GateFn, y: float) -> Optional[float]:
+    """The input at which the function (before its clamp) is y, where there is one."""
+    if fn.name == "softplus" and y > 0:
+        return math.log(math.expm1(y)) if y < 30 else y
+    if fn.name == "logsigmoid" and y / fn.scale < 0:
+        return -math.log(math.expm1(-y / fn.scale))
+    return None
+
+
+def _evaluate(nodes: list, values: dict) -> torch.Tensor:
+    """Runs the gate's nodes on float64 values, casts as identities."""
+    env = dict(values)
+
+    def arg(a):
+        return fx.node.map_arg(a, env.__getitem__)
+
+    for node in nodes:
+        args, kwargs = arg(node.args), arg(node.kwargs)
+        if op_name(node) == "identity" and _is_float_cast_or_copy(node):
+            env[node] = args[0]
+        elif node.op == "call_method":
+            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            env[node] = node.target(*args, **kwargs)
+    return env[nodes[-1]]
+
+
+def _fused_gate(f: _Fusion, values: dict, g_shape: list) -> torch.Tensor:
+    """What the op computes from the fused inputs (``gates.log_gate``), in float64."""
+    emit, rank = _EagerEmit(), len(f.chain.perm)
+    x = _replay(None, values[f.x], f.chain, f.fn, emit)
+    a = bias = None
+    if f.fn.name == "softplus":
+        a = _per_head(None, values[f.a], f.chain, g_shape[2:3], emit, _aligned_shape(f.a, rank))
+        bias = _per_head(None, values[f.bias], f.chain, g_shape[2:], emit, _aligned_shape(f.bias, rank))
+    return log_gate(x, f.fn, a, bias, torch.float64)
+
+
+def _differs_only_in_padding(f: _Fusion, got: torch.Tensor, want: torch.Tensor) -> bool:
+    if not f.chain.pads:
+        return False
+    inner = tuple(slice(f.chain.pads.get(i, (0, 0))[0], got.shape[i] - f.chain.pads.get(i, (0, 0))[1])
+                  for i in range(got.dim()))
+    return torch.allclose(got[inner], want[inner], rtol=_CERT_TOL, atol=_CERT_TOL)
+
+
+# ----------------------------------------------------------------------------------------------
 # rewriting
 # ----------------------------------------------------------------------------------------------
 
@@ -408,12 +557,39 @@ def _apply(graph: fx.Graph, f: _Fusion) -> None:
     log.info("gla_inductor: fused the %s gate into %s", f.fn.name, new.name)
 
 
-def _replay(graph: fx.Graph, x: fx.Node, chain: _Chain, fn: GateFn) -> fx.Node:
+class _GraphEmit:
+    """Emits the fused gate's inputs as graph nodes (the rewrite)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+
+    def function(self, target, *args, **kwargs):
+        return self.graph.call_function(target, args, kwargs)
+
+    def method(self, name, *args):
+        return self.graph.call_method(name, args)
+
+
+class _EagerEmit:
+    """Computes the same inputs from tensors (the certificate)."""
+
+    @staticmethod
+    def function(target, *args, **kwargs):
+        return target(*args, **kwargs)
+
+    @staticmethod
+    def method(name, self, *args):
+        return getattr(self, name)(*args)
+
+
+def _replay(graph: fx.Graph, x: fx.Node, chain: _Chain, fn: GateFn, emit=None) -> fx.Node:
     """x laid out as the gate was: the chain's permutation, and its padding with the value whose
-    gate is 0 (logsigmoid(+inf) = 0, softplus(-inf) = 0), as the zero-padded gate had."""
+    gate function is 0 before any clamp (logsigmoid(+inf) = 0, softplus(-inf) = 0), as the
+    zero-padded gate had (the certificate refuses a clamp that moves that 0)."""
+    emit = emit or _GraphEmit(graph)
     rank = len(chain.perm)
     if chain.perm != list(range(rank)):
-        x = graph.call_function(torch.permute, (x, chain.perm))
+        x = emit.function(torch.permute, x, chain.perm)
     if chain.pads:
         widths = []
         for axis in reversed(range(rank)):
@@ -421,20 +597,20 @@ def _replay(graph: fx.Graph, x: fx.Node, chain: _Chain, fn: GateFn) -> fx.Node:
         while widths[-2:] == [0, 0]:
             widths = widths[:-2]
         neutral = math.inf if fn.name == "logsigmoid" else -math.inf
-        x = graph.call_function(F.pad, (x, widths), {"mode": "constant", "value": neutral})
+        x = emit.function(F.pad, x, widths, mode="constant", value=neutral)
     return x
 
 
-def _per_head(graph: fx.Graph, p: fx.Node, chain: _Chain, shape: list) -> fx.Node:
+def _per_head(graph: fx.Graph, p: fx.Node, chain: _Chain, shape: list, emit=None, aligned=None) -> fx.Node:
     """A per-head parameter as [H] (or [H, K]) in g's axis order: aligned to the gate function's
     rank, permuted as the chain did, the leading axes (size 1) dropped, broadcast (a view)."""
+    emit = emit or _GraphEmit(graph)
     rank = len(chain.perm)
-    aligned = _aligned_shape(p, rank)
-    if list(_val(p).shape) != aligned:
-        p = graph.call_method("reshape", (p, aligned))
+    aligned = aligned or _aligned_shape(p, rank)
+    if list(p.shape if isinstance(p, torch.Tensor) else _val(p).shape) != aligned:
+        p = emit.method("reshape", p, aligned)
     if chain.perm != list(range(rank)):
-        p = graph.call_function(torch.permute, (p, chain.perm))
+        p = emit.function(torch.permute, p, chain.perm)
     in_g = [aligned[i] for i in chain.perm]
-    p = graph.call_method("reshape", (p, in_g[2:2 + len(shape)]))
-    return graph.call_method("expand", (p, shape))
-
+    p = emit.method("reshape", p, in_g[2:2 + len(shape)])
+    return emit.method("expand", p, shape)

@@ -174,13 +174,7 @@ def prepared(name: str, train: bool = False):
     return model, layers, ids, torch.compile(model, backend=rewrite_then_eager, dynamic=False)
 
 
-WRONG_FUSED_STATE = pytest.mark.xfail(
-    strict=True, reason="with fused gates (gate.py) the prefill's final state written to the cache is ~0.5% off "
-    "(exact with config.fuse_gates=False); on main too")
-CACHED = [pytest.param(n, marks=WRONG_FUSED_STATE) if n in ("zamba2", "nemotron_h") else n for n in MODELS]
-
-
-@pytest.mark.parametrize("name", CACHED)
+@pytest.mark.parametrize("name", list(MODELS))
 def test_cached_prefill_and_decode(name, no_cost_rule):
     """Prefill into a cache, then one cached decode step: one rewrite per GLA layer each time
     (the decode step with the cost rule off, as on a GPU), logits and states as eager's."""
