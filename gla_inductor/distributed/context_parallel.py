@@ -35,6 +35,7 @@ counts once (its gradient flows through the copy of the rank that finishes the s
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -45,9 +46,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..contract import GLACall
+from ..contract import GLACall, repeat_groups
 from ..ops import chunk_gla
-from ..gates import GateFn, log_gate
+from ..ops.chunk import _eager_fast_path
+from ..gates import GateFn, gate_grads, log_gate
 from . import tensor_parallel as tp
 
 __all__ = ["context_parallel_gla", "chunk_fwd_over_time"]
@@ -201,6 +203,21 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
     seg = _Segments.of(layout, rank, world)
     n = len(seg.own)
     q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
+    tensors = (q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias)
+    if _two_pass_applies(tensors):
+        spec = _Spec(scale, fn, reverse, output_final_state, group, rank, world, seg)
+        o, ht = _TwoPassCP.apply(spec, *tensors)
+        return _merge(o, n), (ht if output_final_state else None)
+    return _correction_cp(q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias, scale=scale, fn=fn,
+                          output_final_state=output_final_state, reverse=reverse, group=group, world=world,
+                          seg=seg)
+
+
+def _correction_cp(q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias, *, scale: float, fn: GateFn,
+                   output_final_state: bool, reverse: bool, group, world: int, seg: _Segments):
+    """The formulation traced under torch.compile: one chunk_gla from zero per segment, the entering
+    states' term added with elementwise ops (which Inductor fuses), gradients through autograd."""
+    n = len(seg.own)
     o, S = chunk_gla(
         q_, k_, v_, g_, g_gamma=g_gamma, scale=scale, output_final_state=True, reverse=reverse,
         gate_fn=fn.name or None, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi, gate_a=gate_a,
@@ -220,6 +237,168 @@ def _with_entering(o: Tensor, q: Tensor, e: Optional[Tensor], h: Tensor, scale: 
     dtype = o.dtype if o.dtype in (torch.float16, torch.bfloat16) else h.dtype
     term = _entering_term(q, e, h, scale, o.shape[2], dtype)
     return (o.to(dtype) + term).to(o.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# eager calls: the two-pass formulation
+# ----------------------------------------------------------------------------------------------
+
+# How often the eager two-pass Function ran its forward and its backward (tests read it to see
+# which formulation ran).
+two_pass_calls: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The non-tensor arguments of ``_TwoPassCP``."""
+
+    scale: float
+    fn: GateFn
+    reverse: bool
+    output_final_state: bool
+    group: object
+    rank: int
+    world: int
+    seg: _Segments
+
+
+def _two_pass_applies(tensors) -> bool:
+    """Eager calls on plain tensors run ``_TwoPassCP``. Compiled code (and tracing under a dispatch
+    or function mode, fake or wrapped tensors) keeps the correction formulation: it traces into one
+    graph with functional collectives, and Inductor fuses its elementwise ops."""
+    return _eager_fast_path(tensors)
+
+
+class _TwoPassCP(torch.autograd.Function):
+    """Context parallel GLA in two passes of the chunk kernels, with no elementwise work over [T, K].
+
+    forward: each segment's final state from zero and its total log decay; one all-gather; the scan
+    gives the state entering each segment; ``chunk_fwd`` from that state gives o (the kernel applies
+    the state itself).
+    backward: the gradient of each segment's o w.r.t. its entering state (one ``chunk_fwd`` in the
+    opposite direction, ``_entering_grad``); one all-gather of those and of the final state's
+    gradients; the scan against processing order gives the gradient of the state leaving each
+    segment; ``chunk_bwd`` from the entering state with that gradient gives every input's gradient
+    (a segment's inputs reach the loss only through its o and its leaving state, so this is exact).
+    """
+
+    @staticmethod
+    def forward(ctx, spec: _Spec, q, k, v, g, g_gamma, initial_state, gate_a, gate_bias):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, output_final_state=True, reverse=spec.reverse,
+                       gate=spec.fn, gate_a=gate_a, gate_bias=gate_bias)
+        _, S = torch.ops.gla_inductor.chunk_fwd(*call.op_args())  # o from zero is not needed
+        D = _total_decay(g, g_gamma, spec.fn, gate_a, gate_bias, q.shape[1], S.dtype)
+        S_all, D_all = _gather_states(S, D, spec.group, spec.world)
+        h0 = None if initial_state is None else initial_state.to(S.dtype)
+        h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse)
+        o, _ = torch.ops.gla_inductor.chunk_fwd(*call.replace(initial_state=h, output_final_state=False).op_args())
+        ctx.spec = spec
+        ctx.initial_state = None if initial_state is None else (initial_state.shape, initial_state.dtype)
+        ctx.save_for_backward(q, k, v, g, g_gamma, h, gate_a, gate_bias, D_all)
+        if not spec.output_final_state:
+            ctx.mark_non_differentiable(ht)
+        two_pass_calls["forward"] += 1
+        return o, ht
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        spec = ctx.spec
+        q, k, v, g, g_gamma, h, gate_a, gate_bias, D_all = ctx.saved_tensors
+        call = GLACall(q, k, v, g, g_gamma, h, scale=spec.scale, reverse=spec.reverse, gate=spec.fn, gate_a=gate_a,
+                       gate_bias=gate_bias)
+        if do is None:
+            do = v.new_zeros(v.shape, dtype=call.output_dtype)
+        dh_loc = _entering_grad(call, do)
+        B = h.shape[0] // len(spec.seg.own)
+        if dht is None or not spec.output_final_state:
+            dht = h.new_zeros(B, *h.shape[1:])
+        dh_all, dht_all = _gather_grads(dh_loc, dht.to(h.dtype), spec.group, spec.world)
+        # each rank's use of the final state counts: its gradient is the sum of the ranks'
+        dht_seg, dh0 = _scan_back(dh_all, dht_all.sum(0), D_all, spec.seg, spec.reverse)
+        dq, dk, dv, dg, dg_gamma, _ = torch.ops.gla_inductor.chunk_bwd(*call.bwd_op_args(do, dht_seg))
+        da = dbias = None
+        if call.fused_gate and not call.gate.input_grad:
+            dg, da, dbias = gate_grads(dg, g, call.gate, gate_a, gate_bias)
+            da = None if da is None else da.to(gate_a.dtype)
+            dbias = None if dbias is None else dbias.to(gate_bias.dtype)
+        dg = None if g is None else dg.to(g.dtype)
+        dg_gamma = None if g_gamma is None else dg_gamma
+        two_pass_calls["backward"] += 1
+        return None, dq, dk, dv, dg, dg_gamma, _initial_grad(ctx, dh0), da, dbias
+
+
+def _initial_grad(ctx, dh0: Tensor) -> Optional[Tensor]:
+    """The global initial state's gradient: all of it on the rank whose segment runs first, zeros on
+    the others (each rank returns its share; the shares sum to the gradient)."""
+    if ctx.initial_state is None:
+        return None
+    shape, dtype = ctx.initial_state
+    seg = ctx.spec.seg
+    first = seg.owner[-1 if ctx.spec.reverse else 0][0]
+    return dh0.to(dtype) if ctx.spec.rank == first else dh0.new_zeros(shape, dtype=dtype)
+
+
+def _total_decay(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """A segment's whole log decay as ``_decays`` gives it, without the cumulative sums: a
+    reduction over T in ``dtype``."""
+    if g is not None:
+        lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
+        D = lg.sum(1, dtype=dtype)
+        return D if g.dim() == 4 else D.unsqueeze(-1)
+    if g_gamma is not None:
+        return (T * g_gamma.to(dtype)).view(1, -1, 1)
+    return None
+
+
+def _entering_grad(call: GLACall, do: Tensor) -> Tensor:
+    """The gradient of the segments' o w.r.t. the states entering them, [n * B, H, K, V]:
+
+        scale * sum_t (q_t * exp(G_t))^T do_t    G_t = the log gates from the segment's first processed step
+                                                 through t (inclusive)
+
+    the final state of a GLA run in the opposite direction with keys q_t * exp(g_t) and values do_t
+    (that run's state after step t carries exp(G_{t-1}) for each later key: the extra exp(g_t) makes
+    it inclusive). A constant gate's exp(g) multiplies the state instead, a missing gate nothing:
+    q then keeps its grouped heads."""
+    q, g, g_gamma = call.q, call.g, call.g_gamma
+    lg = None
+    if g is not None:
+        lg = log_gate(g, call.gate, call.gate_a, call.gate_bias, call.compute_dtype) if call.fused_gate else g
+        e = lg.exp()
+        q = (repeat_groups(q, lg.shape[2]) * (e if e.dim() == 4 else e.unsqueeze(-1))).to(call.q.dtype)
+    dual = GLACall(q, q, do, lg, g_gamma, None, scale=1.0, output_final_state=True, reverse=not call.reverse)
+    _, S = torch.ops.gla_inductor.chunk_fwd(*dual.op_args())
+    if g_gamma is not None:
+        S = S * g_gamma.to(S.dtype).exp().view(1, -1, 1, 1)
+    return S * call.scale
+
+
+def _gather_grads(dh_loc: Tensor, dht: Tensor, group, world: int) -> tuple[Tensor, Tensor]:
+    """All-gather every rank's (entering-state gradients, final-state gradient) in one buffer:
+    [world, *dh_loc.shape], [world, *dht.shape]."""
+    gathered = _all_gather(torch.cat([dh_loc.flatten(), dht.flatten()]), 0, group).view(world, -1)
+    n = dh_loc.numel()
+    return gathered[:, :n].view(world, *dh_loc.shape), gathered[:, n:].view(world, *dht.shape)
+
+
+def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segments, reverse: bool
+               ) -> tuple[Tensor, Tensor]:
+    """The gradients of the states leaving this rank's segments ([n * B, H, K, V], in the order of
+    ``seg.own``) and of the global initial state: from the final state's gradient dht,
+    lam <- dh_loc_j + exp(D_j) * lam over the global segments against processing order (the
+    transpose of ``_scan``)."""
+    n = len(seg.own)
+    B = dh_all.shape[1] // n
+    processing = list(reversed(range(len(seg.owner)))) if reverse else list(range(len(seg.owner)))
+    lam, leaving = dht, {}
+    for j in reversed(processing):
+        leaving[j] = lam
+        r, i = seg.owner[j]
+        rows = slice(i * B, (i + 1) * B)
+        lam = dh_all[r, rows] + (lam if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * lam)
+    return torch.cat([leaving[j] for j in seg.own]), lam
 
 
 _SEQ = ("q", "k", "v", "g")
