@@ -24,6 +24,15 @@ gradients reach earlier ranks' states and decays through ordinary autograd, and 
 traces into one graph under ``torch.compile(fullgraph=True)``, the same graph on every rank
 (NOTE:[CP uniform graph]). Every rank must run the backward, as with any collective.
 
+That formulation is what compiled code runs: Inductor fuses its elementwise ops. Eager calls, whose
+elementwise ops and their autograd would each be a pass over [B, T, H, K] in fp32, run the
+textbook two passes instead (``_TwoPassCP``): the segments' final states and decays from zero, the
+all-gather and scan, then ``chunk_gla`` from each segment's entering state; the backward gets the
+gradient of each segment's o w.r.t. its entering state from one run in the opposite direction,
+all-gathers those, scans them against processing order into the gradient of the state leaving
+each segment, and runs one ``chunk_bwd`` per rank from the entering state with that gradient.
+Both give the same values and gradients under the convention below.
+
 Gradient convention for local tensors: the loss is the sum of the ranks' losses. A tensor given to
 every rank (initial_state, g_gamma, gate_a, gate_bias) receives on each rank that rank's share of
 its gradient (sum them over the group, as data parallel training does for parameters); the final
@@ -46,7 +55,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..contract import GLACall, repeat_groups
+from ..contract import GLACall, repeat_groups, validate_gate, validate_inputs
 from ..ops import chunk_gla
 from ..ops.chunk import _eager_fast_path
 from ..gates import GateFn, gate_grads, log_gate
@@ -202,12 +211,15 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
     group, rank, world = _group_info(group)
     seg = _Segments.of(layout, rank, world)
     n = len(seg.own)
-    q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
-    tensors = (q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias)
-    if _two_pass_applies(tensors):
+    if _two_pass_applies((q, k, v, g, g_gamma, initial_state, gate_a, gate_bias)):
+        # the ops trust their callers: the checks chunk_gla makes on the other path
+        validate_inputs(q, k, v, g, g_gamma, initial_state, api="context_parallel_gla", grouped=True)
+        validate_gate(fn, q, g, gate_a, gate_bias, api="context_parallel_gla")
         spec = _Spec(scale, fn, reverse, output_final_state, group, rank, world, seg)
-        o, ht = _TwoPassCP.apply(spec, *tensors)
+        q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
+        o, ht = _TwoPassCP.apply(spec, q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias)
         return _merge(o, n), (ht if output_final_state else None)
+    q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
     return _correction_cp(q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias, scale=scale, fn=fn,
                           output_final_state=output_final_state, reverse=reverse, group=group, world=world,
                           seg=seg)

@@ -233,6 +233,10 @@ def error_bad_layouts(ctx):
                        "layout must be one of ('contiguous', 'head_tail'), got 'zigzag'")
     cases.expect_error(lambda: context_parallel_gla(**tensors, layout="head_tail"), ValueError,
                        "layout='head_tail' needs each rank's T (9) divisible by 2")
+    cases.expect_error(lambda: context_parallel_gla(**dict(tensors, g=tensors["g"][..., :3])), ValueError,
+                       "context_parallel_gla: g has shape (2, 9, 4, 3)", "expected g to be [B, T, H, K]")
+    cases.expect_error(lambda: context_parallel_gla(**tensors, gate_fn="softplus"), ValueError,
+                       "context_parallel_gla: gate_fn='softplus' needs gate_a")
     heads = {n: distribute_tensor(x, ctx.mesh, [Shard(2) if n in cases.SEQUENCE else Replicate()])
              for n, x in tensors.items()}
     cases.expect_error(lambda: context_parallel_gla(**heads), ValueError,
