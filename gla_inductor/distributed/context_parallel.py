@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..contract import GLACall, repeat_groups, validate_gate, validate_inputs
+from ..contract import GLACall, validate_gate, validate_inputs
 from ..ops import chunk_gla
 from ..ops.chunk import _eager_fast_path
 from ..gates import GateFn, gate_grads, log_gate
@@ -288,10 +288,11 @@ class _TwoPassCP(torch.autograd.Function):
     gives the state entering each segment; ``chunk_fwd`` from that state gives o (the kernel applies
     the state itself).
     backward: the gradient of each segment's o w.r.t. its entering state (one ``chunk_fwd`` in the
-    opposite direction, ``_entering_grad``); one all-gather of those and of the final state's
-    gradients; the scan against processing order gives the gradient of the state leaving each
-    segment; ``chunk_bwd`` from the entering state with that gradient gives every input's gradient
-    (a segment's inputs reach the loss only through its o and its leaving state, so this is exact).
+    opposite direction on q, do and the gates shifted by a step, ``_entering_grad``); one all-gather
+    of those and of the final state's gradients; the scan against processing order gives the
+    gradient of the state leaving each segment; ``chunk_bwd`` from the entering state with that
+    gradient gives every input's gradient (a segment's inputs reach the loss only through its o and
+    its leaving state, so this is exact).
     """
 
     @staticmethod
@@ -370,19 +371,22 @@ def _entering_grad(call: GLACall, do: Tensor) -> Tensor:
         scale * sum_t (q_t * exp(G_t))^T do_t    G_t = the log gates from the segment's first processed step
                                                  through t (inclusive)
 
-    the final state of a GLA run in the opposite direction with keys q_t * exp(g_t) and values do_t
-    (that run's state after step t carries exp(G_{t-1}) for each later key: the extra exp(g_t) makes
-    it inclusive). A constant gate's exp(g) multiplies the state instead, a missing gate nothing:
-    q then keeps its grouped heads."""
-    q, g, g_gamma = call.q, call.g, call.g_gamma
-    lg = None
-    if g is not None:
-        lg = log_gate(g, call.gate, call.gate_a, call.gate_bias, call.compute_dtype) if call.fused_gate else g
-        e = lg.exp()
-        q = (repeat_groups(q, lg.shape[2]) * (e if e.dim() == 4 else e.unsqueeze(-1))).to(call.q.dtype)
-    dual = GLACall(q, q, do, lg, g_gamma, None, scale=1.0, output_final_state=True, reverse=not call.reverse)
+    from one GLA run in the opposite direction with keys q and values do, whose final state weighs
+    step t's key by the gates strictly between it and the first processed step. Fed the gates
+    shifted by one step toward the first processed step, it weighs it by those after the first
+    step through t; exp of the first step's gate, a factor common to every t, then makes that G_t.
+    The shift is one copy of g (the step it wraps around meets only the run's zero initial state);
+    q and do are read as they are (grouped heads included)."""
+    g, g_gamma, T = call.g, call.g_gamma, call.q.shape[1]
+    shifted = None if g is None else g.roll(1 if call.reverse else -1, 1)
+    dual = call.replace(k=call.q, v=do, g=shifted, initial_state=None, scale=1.0, output_final_state=True,
+                        reverse=not call.reverse)
     _, S = torch.ops.gla_inductor.chunk_fwd(*dual.op_args())
-    if g_gamma is not None:
+    if g is not None and T > 0:
+        first = T - 1 if call.reverse else 0
+        lg = log_gate(g[:, first:first + 1], call.gate, call.gate_a, call.gate_bias, S.dtype)[:, 0]
+        S = S * (lg if lg.dim() == 3 else lg.unsqueeze(-1)).exp().unsqueeze(-1)
+    elif g_gamma is not None:
         S = S * g_gamma.to(S.dtype).exp().view(1, -1, 1, 1)
     return S * call.scale
 
