@@ -24,6 +24,15 @@ gradients reach earlier ranks' states and decays through ordinary autograd, and 
 traces into one graph under ``torch.compile(fullgraph=True)``, the same graph on every rank
 (NOTE:[CP uniform graph]). Every rank must run the backward, as with any collective.
 
+That formulation is what compiled code runs: Inductor fuses its elementwise ops. Eager calls, whose
+elementwise ops and their autograd would each be a pass over [B, T, H, K] in fp32, run the
+textbook two passes instead (``_TwoPassCP``): the segments' final states and decays from zero, the
+all-gather and scan, then ``chunk_gla`` from each segment's entering state; the backward gets the
+gradient of each segment's o w.r.t. its entering state from one run in the opposite direction,
+all-gathers those, scans them against processing order into the gradient of the state leaving
+each segment, and runs one ``chunk_bwd`` per rank from the entering state with that gradient.
+Both give the same values and gradients under the convention below.
+
 Gradient convention for local tensors: the loss is the sum of the ranks' losses. A tensor given to
 every rank (initial_state, g_gamma, gate_a, gate_bias) receives on each rank that rank's share of
 its gradient (sum them over the group, as data parallel training does for parameters); the final
@@ -35,6 +44,7 @@ counts once (its gradient flows through the copy of the rank that finishes the s
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -45,9 +55,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..contract import GLACall
+from ..contract import GLACall, validate_gate, validate_inputs
 from ..ops import chunk_gla
-from ..gates import GateFn, check_gate_name, log_gate
+from ..ops.chunk import _eager_fast_path
+from ..gates import GateFn, check_gate_name, gate_grads, log_gate
 from . import tensor_parallel as tp
 
 __all__ = ["context_parallel_gla", "chunk_fwd_over_time"]
@@ -200,7 +211,25 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
     group, rank, world = _group_info(group)
     seg = _Segments.of(layout, rank, world)
     n = len(seg.own)
+    if _two_pass_applies((q, k, v, g, g_gamma, initial_state, gate_a, gate_bias)):
+        # the ops trust their callers: the checks chunk_gla makes on the other path
+        validate_inputs(q, k, v, g, g_gamma, initial_state, api="context_parallel_gla", grouped=True)
+        validate_gate(fn, q, g, gate_a, gate_bias, api="context_parallel_gla")
+        spec = _Spec(scale, fn, reverse, output_final_state, group, rank, world, seg)
+        q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
+        o, ht = _TwoPassCP.apply(spec, q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias)
+        return _merge(o, n), (ht if output_final_state else None)
     q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
+    return _correction_cp(q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias, scale=scale, fn=fn,
+                          output_final_state=output_final_state, reverse=reverse, group=group, world=world,
+                          seg=seg)
+
+
+def _correction_cp(q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias, *, scale: float, fn: GateFn,
+                   output_final_state: bool, reverse: bool, group, world: int, seg: _Segments):
+    """The formulation traced under torch.compile: one chunk_gla from zero per segment, the entering
+    states' term added with elementwise ops (which Inductor fuses), gradients through autograd."""
+    n = len(seg.own)
     o, S = chunk_gla(
         q_, k_, v_, g_, g_gamma=g_gamma, scale=scale, output_final_state=True, reverse=reverse,
         gate_fn=fn.name or None, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi, gate_a=gate_a,
@@ -220,6 +249,172 @@ def _with_entering(o: Tensor, q: Tensor, e: Optional[Tensor], h: Tensor, scale: 
     dtype = o.dtype if o.dtype in (torch.float16, torch.bfloat16) else h.dtype
     term = _entering_term(q, e, h, scale, o.shape[2], dtype)
     return (o.to(dtype) + term).to(o.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# eager calls: the two-pass formulation
+# ----------------------------------------------------------------------------------------------
+
+# How often the eager two-pass Function ran its forward and its backward (tests read it to see
+# which formulation ran).
+two_pass_calls: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The non-tensor arguments of ``_TwoPassCP``."""
+
+    scale: float
+    fn: GateFn
+    reverse: bool
+    output_final_state: bool
+    group: object
+    rank: int
+    world: int
+    seg: _Segments
+
+
+def _two_pass_applies(tensors) -> bool:
+    """Eager calls on plain tensors run ``_TwoPassCP``. Compiled code (and tracing under a dispatch
+    or function mode, fake or wrapped tensors) keeps the correction formulation: it traces into one
+    graph with functional collectives, and Inductor fuses its elementwise ops."""
+    return _eager_fast_path(tensors)
+
+
+class _TwoPassCP(torch.autograd.Function):
+    """Context parallel GLA in two passes of the chunk kernels, with no elementwise work over [T, K].
+
+    forward: each segment's final state from zero and its total log decay; one all-gather; the scan
+    gives the state entering each segment; ``chunk_fwd`` from that state gives o (the kernel applies
+    the state itself).
+    backward: the gradient of each segment's o w.r.t. its entering state (one ``chunk_fwd`` in the
+    opposite direction on q, do and the gates shifted by a step, ``_entering_grad``); one all-gather
+    of those and of the final state's gradients; the scan against processing order gives the
+    gradient of the state leaving each segment; ``chunk_bwd`` from the entering state with that
+    gradient gives every input's gradient (a segment's inputs reach the loss only through its o and
+    its leaving state, so this is exact).
+    """
+
+    @staticmethod
+    def forward(ctx, spec: _Spec, q, k, v, g, g_gamma, initial_state, gate_a, gate_bias):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, output_final_state=True, reverse=spec.reverse,
+                       gate=spec.fn, gate_a=gate_a, gate_bias=gate_bias)
+        _, S = torch.ops.gla_inductor.chunk_fwd(*call.op_args())  # o from zero is not needed
+        D = _total_decay(g, g_gamma, spec.fn, gate_a, gate_bias, q.shape[1], S.dtype)
+        S_all, D_all = _gather_states(S, D, spec.group, spec.world)
+        h0 = None if initial_state is None else initial_state.to(S.dtype)
+        h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse)
+        o, _ = torch.ops.gla_inductor.chunk_fwd(*call.replace(initial_state=h, output_final_state=False).op_args())
+        ctx.spec = spec
+        ctx.initial_state = None if initial_state is None else (initial_state.shape, initial_state.dtype)
+        ctx.save_for_backward(q, k, v, g, g_gamma, h, gate_a, gate_bias, D_all)
+        if not spec.output_final_state:
+            ctx.mark_non_differentiable(ht)
+        two_pass_calls["forward"] += 1
+        return o, ht
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        spec = ctx.spec
+        q, k, v, g, g_gamma, h, gate_a, gate_bias, D_all = ctx.saved_tensors
+        call = GLACall(q, k, v, g, g_gamma, h, scale=spec.scale, reverse=spec.reverse, gate=spec.fn, gate_a=gate_a,
+                       gate_bias=gate_bias)
+        if do is None:
+            do = v.new_zeros(v.shape, dtype=call.output_dtype)
+        dh_loc = _entering_grad(call, do)
+        B = h.shape[0] // len(spec.seg.own)
+        if dht is None or not spec.output_final_state:
+            dht = h.new_zeros(B, *h.shape[1:])
+        dh_all, dht_all = _gather_grads(dh_loc, dht.to(h.dtype), spec.group, spec.world)
+        # each rank's use of the final state counts: its gradient is the sum of the ranks'
+        dht_seg, dh0 = _scan_back(dh_all, dht_all.sum(0), D_all, spec.seg, spec.reverse)
+        dq, dk, dv, dg, dg_gamma, _ = torch.ops.gla_inductor.chunk_bwd(*call.bwd_op_args(do, dht_seg))
+        da = dbias = None
+        if call.fused_gate and not call.gate.input_grad:
+            dg, da, dbias = gate_grads(dg, g, call.gate, gate_a, gate_bias)
+            da = None if da is None else da.to(gate_a.dtype)
+            dbias = None if dbias is None else dbias.to(gate_bias.dtype)
+        dg = None if g is None else dg.to(g.dtype)
+        dg_gamma = None if g_gamma is None else dg_gamma
+        two_pass_calls["backward"] += 1
+        return None, dq, dk, dv, dg, dg_gamma, _initial_grad(ctx, dh0), da, dbias
+
+
+def _initial_grad(ctx, dh0: Tensor) -> Optional[Tensor]:
+    """The global initial state's gradient: all of it on the rank whose segment runs first, zeros on
+    the others (each rank returns its share; the shares sum to the gradient)."""
+    if ctx.initial_state is None:
+        return None
+    shape, dtype = ctx.initial_state
+    seg = ctx.spec.seg
+    first = seg.owner[-1 if ctx.spec.reverse else 0][0]
+    return dh0.to(dtype) if ctx.spec.rank == first else dh0.new_zeros(shape, dtype=dtype)
+
+
+def _total_decay(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """A segment's whole log decay as ``_decays`` gives it, without the cumulative sums: a
+    reduction over T in ``dtype``."""
+    if g is not None:
+        lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
+        D = lg.sum(1, dtype=dtype)
+        return D if g.dim() == 4 else D.unsqueeze(-1)
+    if g_gamma is not None:
+        return (T * g_gamma.to(dtype)).view(1, -1, 1)
+    return None
+
+
+def _entering_grad(call: GLACall, do: Tensor) -> Tensor:
+    """The gradient of the segments' o w.r.t. the states entering them, [n * B, H, K, V]:
+
+        scale * sum_t (q_t * exp(G_t))^T do_t    G_t = the log gates from the segment's first processed step
+                                                 through t (inclusive)
+
+    from one GLA run in the opposite direction with keys q and values do, whose final state weighs
+    step t's key by the gates strictly between it and the first processed step. Fed the gates
+    shifted by one step toward the first processed step, it weighs it by those after the first
+    step through t; exp of the first step's gate, a factor common to every t, then makes that G_t.
+    The shift is one copy of g (the step it wraps around meets only the run's zero initial state);
+    q and do are read as they are (grouped heads included)."""
+    g, g_gamma, T = call.g, call.g_gamma, call.q.shape[1]
+    shifted = None if g is None else g.roll(1 if call.reverse else -1, 1)
+    dual = call.replace(k=call.q, v=do, g=shifted, initial_state=None, scale=1.0, output_final_state=True,
+                        reverse=not call.reverse)
+    _, S = torch.ops.gla_inductor.chunk_fwd(*dual.op_args())
+    if g is not None and T > 0:
+        first = T - 1 if call.reverse else 0
+        lg = log_gate(g[:, first:first + 1], call.gate, call.gate_a, call.gate_bias, S.dtype)[:, 0]
+        S = S * (lg if lg.dim() == 3 else lg.unsqueeze(-1)).exp().unsqueeze(-1)
+    elif g_gamma is not None:
+        S = S * g_gamma.to(S.dtype).exp().view(1, -1, 1, 1)
+    return S * call.scale
+
+
+def _gather_grads(dh_loc: Tensor, dht: Tensor, group, world: int) -> tuple[Tensor, Tensor]:
+    """All-gather every rank's (entering-state gradients, final-state gradient) in one buffer:
+    [world, *dh_loc.shape], [world, *dht.shape]."""
+    gathered = _all_gather(torch.cat([dh_loc.flatten(), dht.flatten()]), 0, group).view(world, -1)
+    n = dh_loc.numel()
+    return gathered[:, :n].view(world, *dh_loc.shape), gathered[:, n:].view(world, *dht.shape)
+
+
+def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segments, reverse: bool
+               ) -> tuple[Tensor, Tensor]:
+    """The gradients of the states leaving this rank's segments ([n * B, H, K, V], in the order of
+    ``seg.own``) and of the global initial state: from the final state's gradient dht,
+    lam <- dh_loc_j + exp(D_j) * lam over the global segments against processing order (the
+    transpose of ``_scan``)."""
+    n = len(seg.own)
+    B = dh_all.shape[1] // n
+    processing = list(reversed(range(len(seg.owner)))) if reverse else list(range(len(seg.owner)))
+    lam, leaving = dht, {}
+    for j in reversed(processing):
+        leaving[j] = lam
+        r, i = seg.owner[j]
+        rows = slice(i * B, (i + 1) * B)
+        lam = dh_all[r, rows] + (lam if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * lam)
+    return torch.cat([leaving[j] for j in seg.own]), lam
 
 
 _SEQ = ("q", "k", "v", "g")

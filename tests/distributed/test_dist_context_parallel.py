@@ -8,6 +8,7 @@ The checks run inside spawned ranks (``dist_harness``); each test asserts one ch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -44,6 +45,19 @@ def two_layers(gla):
     return run
 
 
+@contextlib.contextmanager
+def expect_two_pass(calls: int):
+    """Asserts that the block ran the eager two-pass Function's forward and backward ``calls`` times
+    each: eager calls on plain tensors (DTensors' local parts included) take it, compiled code the
+    traced formulation (0)."""
+    from gla_inductor.distributed import context_parallel as cp
+
+    before = dict(cp.two_pass_calls)
+    yield
+    ran = {step: cp.two_pass_calls[step] - before.get(step, 0) for step in ("forward", "backward")}
+    assert ran == {"forward": calls, "backward": calls}, f"two-pass Function ran {ran}, expected {calls} each"
+
+
 def _cp_errors(ctx, gate: str, reverse: bool = False, layout: str = "contiguous", fn=None, layers: int = 1,
                **shape) -> dict:
     """Local slices through context_parallel_gla (or fn) against chunk_gla on everything. The loss is
@@ -59,9 +73,11 @@ def _cp_errors(ctx, gate: str, reverse: bool = False, layout: str = "contiguous"
     single = gla_inductor.chunk_gla if layers == 1 else two_layers(gla_inductor.chunk_gla)
     ref_out, ref_grads = cases.forward_backward(single, tensors, options, w_o, w_h, reverse=reverse)
     index = _local_index(tensors["q"].shape[1], ctx.rank, ctx.world, layout)
+    eager = fn is None
     fn = fn or functools.partial(context_parallel_gla, layout=layout)
-    out, grads = cases.forward_backward(fn, _local(tensors, index), options, w_o[:, index.to(w_o.device)],
-                                        w_h / ctx.world, reverse=reverse)
+    with expect_two_pass(layers if eager else 0):
+        out, grads = cases.forward_backward(fn, _local(tensors, index), options, w_o[:, index.to(w_o.device)],
+                                            w_h / ctx.world, reverse=reverse)
     errors = {"o": cases.rel_err(out["o"], ref_out["o"][:, index]), "ht": cases.rel_err(out["ht"], ref_out["ht"])}
     for name, grad in grads.items():
         if name in REPLICATED:
@@ -120,9 +136,10 @@ def outputs_only(ctx):
     leaves = {n: x.clone().requires_grad_() for n, x in tensors.items()}
     (gla_inductor.chunk_gla(**leaves)[0] * w_o).sum().backward()
     local = {n: x[:, index].clone().requires_grad_() for n, x in tensors.items()}
-    o, ht = context_parallel_gla(**local)
-    assert ht is None
-    (o * w_o[:, index]).sum().backward()
+    with expect_two_pass(1):
+        o, ht = context_parallel_gla(**local)
+        assert ht is None
+        (o * w_o[:, index]).sum().backward()
     return {f"d{n}": cases.rel_err(local[n].grad, leaves[n].grad[:, index]) for n in local}
 
 
@@ -139,7 +156,8 @@ def dtensor_sequence(ctx):
     dt = {n: distribute_tensor(x, ctx.mesh, [Shard(1) if n in cases.SEQUENCE else Replicate()])
           for n, x in tensors.items()}
     weights = [distribute_tensor(w_o, ctx.mesh, [Shard(1)]), distribute_tensor(w_h, ctx.mesh, [Replicate()])]
-    out, grads = cases.forward_backward(context_parallel_gla, dt, options, *weights)
+    with expect_two_pass(1):
+        out, grads = cases.forward_backward(context_parallel_gla, dt, options, *weights)
     assert out["o"].placements == (Shard(1),) and out["ht"].placements == (Replicate(),)
     errors = {n: cases.rel_err(x.full_tensor(), ref_out[n]) for n, x in out.items()}
     errors.update({f"d{n}": cases.rel_err(g.full_tensor(), ref_grads[n]) for n, g in grads.items()})
@@ -161,7 +179,8 @@ def dtensor_sequence_and_heads(ctx):
     dt = {n: distribute_tensor(x, mesh, [Shard(1) if n in cases.SEQUENCE else Replicate(), Shard(heads.get(n, 2))])
           for n, x in tensors.items()}
     weights = [distribute_tensor(w, mesh, [Replicate(), Replicate()]) for w in (w_o, w_h)]
-    out, grads = cases.forward_backward(context_parallel_gla, dt, options, *weights, reverse=True)
+    with expect_two_pass(1):
+        out, grads = cases.forward_backward(context_parallel_gla, dt, options, *weights, reverse=True)
     assert out["o"].placements == (Shard(1), Shard(2)), out["o"].placements
     assert out["ht"].placements == (Replicate(), Shard(1)), out["ht"].placements
     errors = {n: cases.rel_err(x.full_tensor(), ref_out[n]) for n, x in out.items()}
@@ -214,6 +233,10 @@ def error_bad_layouts(ctx):
                        "layout must be one of ('contiguous', 'head_tail'), got 'zigzag'")
     cases.expect_error(lambda: context_parallel_gla(**tensors, layout="head_tail"), ValueError,
                        "layout='head_tail' needs each rank's T (9) divisible by 2")
+    cases.expect_error(lambda: context_parallel_gla(**dict(tensors, g=tensors["g"][..., :3])), ValueError,
+                       "context_parallel_gla: g has shape (2, 9, 4, 3)", "expected g to be [B, T, H, K]")
+    cases.expect_error(lambda: context_parallel_gla(**tensors, gate_fn="softplus"), ValueError,
+                       "context_parallel_gla: gate_fn='softplus' needs gate_a")
     heads = {n: distribute_tensor(x, ctx.mesh, [Shard(2) if n in cases.SEQUENCE else Replicate()])
              for n, x in tensors.items()}
     cases.expect_error(lambda: context_parallel_gla(**heads), ValueError,
