@@ -208,12 +208,13 @@ def scan_segments(B: int, H: int, V: int, block_v: int, NT: int, sms: int) -> in
     programs fill fewer than the SMs, the walk over the NT chunks is cut into P segments (a power of
     two, up to 16) walked in parallel, so that the programs fill up to two per SM, with segments of
     at least 4 chunks. The price: gla_chunk_segsum reads the walk's keys (queries) and values once
-    more, and each program folds the segments before its own. A first guess, not yet swept on a GPU
-    (``python -m benchmarks tune schedule --gates scalar --only "fused P="``; the environment
-    variable GLA_INDUCTOR_SCAN_SEGMENTS overrides it, ``env_scan_segments``)."""
+    more, and each program folds the segments before its own: with programs for 3/4 of the SMs or
+    more the price was higher than the gain, below it the forward won up to 2.2x
+    (results/h200-2026-11-27-scan-segments.md; the environment variable GLA_INDUCTOR_SCAN_SEGMENTS
+    overrides it, ``env_scan_segments``)."""
     programs = B * H * math.ceil(V / block_v)
     segments = 1
-    if programs < sms:
+    if 4 * programs < 3 * sms:
         while segments < 16 and 2 * segments * programs <= 2 * sms and NT >= 8 * segments:
             segments *= 2
     return segments
@@ -277,8 +278,8 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
             fwd_segments = scan_segments(B, H, V, block_v, NT, sms)
         while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
             block_v //= 2
-        if fused_scans and forced is None:
-            bwd_segments = scan_segments(B, H, V, block_v, NT, sms)
+        # the backward's scans keep one walk unless forced: segmented, the fwd+bwd step lost at
+        # (8, 1024, 8, 64, 64) and (4, 2048, 16, 128, 128) (results/h200-2026-11-27-scan-segments.md)
         segments = carry_segments(B, H, V, NT, sms)
         # the carries walk all chunks one after another: with programs for at most half the SMs and
         # too few chunks for segments, halve their value tiles (results/h100-2026-11-23-segments.md)

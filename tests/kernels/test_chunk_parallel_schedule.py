@@ -276,12 +276,12 @@ def test_nonfinite_value_in_a_later_segment(value):
 
 
 def test_scan_segments_rule_at_the_target_shapes():
-    """Segments where the programs (value tiles of 64) fill fewer than the SMs, up to two programs
-    per SM and segments of at least 4 chunks (H100: 132 SMs; 64-step chunks)."""
+    """Segments where the programs (value tiles of 64) fill less than 3/4 of the SMs, up to two
+    programs per SM and segments of at least 4 chunks (132 SMs; 64-step chunks)."""
     rule = kconfigs.scan_segments
     assert rule(1, 16, 128, 64, 128, sms=132) == 8  # (1, 8192, 16, 128, 128): 32 programs
     assert rule(2, 16, 128, 64, 64, sms=132) == 4  # (2, 4096, 16, 128, 128): 64 programs
-    assert rule(4, 16, 128, 64, 32, sms=132) == 2  # (4, 2048, 16, 128, 128): 128, 16 chunks each
+    assert rule(4, 16, 128, 64, 32, sms=132) == 1  # (4, 2048, 16, 128, 128): 128 programs, segments lost
     assert rule(8, 8, 64, 64, 16, sms=132) == 4  # (8, 1024, 8, 64, 64): 64, 4 chunks each
     assert rule(1, 96, 64, 64, 128, sms=132) == 2  # (1, 8192, 96, 64, 64): 96
     assert rule(8, 16, 128, 64, 32, sms=132) == 1  # (8, 2048, 16, 128, 128): 256 programs fill the SMs
@@ -298,9 +298,10 @@ def test_default_config_segments_the_fused_scans_of_non_vector_gates(monkeypatch
         return kconfigs.default_config(B, T, H, K, V, torch.bfloat16, vector, cuda)
 
     few = config(1, 8192, 16, 128, 128)
-    # the forward keeps value tiles of 64 in segments; the backward's scans narrow theirs to 32
+    # the forward keeps value tiles of 64 in segments; the backward's scans keep one walk (unless
+    # forced) and narrow their tiles to 32
     assert (few.scan_segments, few.scan.block_v) == (8, 64)
-    assert (few.bwd_scan_segments, few.states.block_v) == (4, 32)
+    assert (few.bwd_scan_segments, few.states.block_v) == (1, 32)
     assert few.segsum == kconfigs.TileConfig(block_v=64, num_warps=8, num_stages=2)
     main = config(8, 2048, 16, 128, 128)
     assert (main.scan_segments, main.bwd_scan_segments, main.scan.block_v) == (1, 1, 64)
