@@ -79,7 +79,10 @@ def _match(an: Analyzer, spec: Spec, first) -> Match:
 def _length(q: fx.Node, sizes: dict) -> int:
     """The sequence length: what the tensor the chunks cut q from (the nearest; a fused
     projection further up holds k and v too) holds besides B, H, K."""
-    numel = example_value(q).numel()
+    value = example_value(q)
+    if not isinstance(value, torch.Tensor):  # the chunks come out of a split()'s tuple
+        raise Reject("the chunks' source of q is not one [B, T, H, K] tensor")
+    numel = value.numel()
     rest = sizes["b"] * sizes["h"] * sizes["k"]
     if not isinstance(numel, int) or numel % rest:
         raise Reject("the chunks' source of q is not [B, T, H, K]")
