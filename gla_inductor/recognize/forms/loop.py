@@ -42,8 +42,8 @@ from ..core.match import Match, NearMiss, Reject
 from . import periodic
 from .step_walk import StepWalk, lift_step_tensor, step_walk
 from .steps import (
-    Letters, Read, Roles, Step, chains_of, find_steps, parse_read, parse_step, read_letters, read_of_step,
-    state_letters, state_roles,
+    Letters, Read, Roles, Step, accumulates_outer, chains_of, find_steps, parse_read, parse_step, read_letters,
+    read_of_step, state_letters, state_roles,
 )
 
 
@@ -59,7 +59,9 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         try:
             matches.append(analyze_chain(an, chain, outputs))
         except Reject as e:
-            near.append(NearMiss("loop", str(e), [s.node for s in chain]))
+            if any(st.av is not None and accumulates_outer(st) for st in chain):
+                near.append(NearMiss("loop", str(e), [s.node for s in chain]))
+            # else no k^T v is accumulated (a residual stream at batch size 1): no GLA candidate
     return matches, near
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..core.algebra import AV, Factor, Mono, comps, factor_vars, make_entry, mono_vars, out_vars, rank_of
+from ..core.algebra import AV, Factor, Mono, comps, factor_vars, make_entry, mono_vars, out_vars
 from ..core.analyzer import Analyzer
 from ..core.assembly import Assembly, find_outputs
 from ..core.match import NearMiss, Reject
@@ -117,6 +117,14 @@ def _is_outer_product(m: Mono, out: tuple) -> bool:
     )
 
 
+def accumulates_outer(st: Step) -> bool:
+    """Whether a parsed step adds a true outer product k^T v: two axes of size above 1 that no
+    factor indexes together. A state with a size-1 axis takes any added term as an outer
+    product (see _is_outer_product); a residual stream x = x + f(x) at batch size 1 is no
+    GLA state for that."""
+    return st.outer is not None and _is_outer_product(st.outer, tuple(e for e in st.av.out if e is not None))
+
+
 def is_full_atom(f: Factor, out: tuple) -> bool:
     """Whether f is a whole tensor read element for element as `out`, possibly through a view
     of another shape: the same variables in the same row-major order (a first state
@@ -166,17 +174,51 @@ def unsupported_update_reason(an: Analyzer, node: fx.Node) -> Optional[str]:
     out_set = out_vars(av.out)
     selfish = [m for m in av.terms if any(is_full_atom(f, av.out) for f in m[1])]
     # a state is an earlier update or comes from outside; `G[:, :1] - G` updates nothing
-    if not any(is_full_atom(f, av.out) and _state_like(f.atom.node) for m in selfish for f in m[1]):
+    states = {f.atom.node for m in selfish for f in m[1] if is_full_atom(f, av.out) and _state_like(f.atom.node)}
+    if not states:
         return None
-    for m in av.terms:
-        if mono_vars(m) - out_set and any(f.kind == "atom" and rank_of(f.atom.node) == len(av.out) for f in m[1]):
-            return "the state is read inside its own update (delta-rule style)"
+    summed = [m for m in av.terms if mono_vars(m) - out_set]
+    if summed and any(_reads_states(an, m, states, node) for m in summed):
+        return "the state is read inside its own update (delta-rule style)"
+    if summed:
+        return None  # a product summed over positions (a chunk's k^T v): the chunked form's to judge
     if len(av.terms) > 2:
         return "the update has more terms than a decay and an outer product"
     others = [m for m in av.terms if m not in selfish]
     if others and not _is_outer_product(others[0], av.out):
-        return "the update adds no outer product k^T v (elementwise recurrence)"
+        why = "the update adds no outer product k^T v (elementwise recurrence)"
+        return why + _decay_over_all(selfish, states, av.out)
     return None
+
+
+def _reads_states(an: Analyzer, m: Mono, states: set, update: fx.Node) -> bool:
+    """Whether a term of `update` has a factor computed from one of `states` (the state
+    itself, or a value derived from it before the update: a delta rule's S^T k)."""
+    derived, frontier = set(states), list(states)
+    stop = an.order[update]
+    while frontier:
+        for u in frontier.pop().users:
+            if u not in derived and an.order.get(u, stop) < stop:
+                derived.add(u)
+                frontier.append(u)
+    factors = list(m[1])
+    while factors:
+        f = factors.pop()
+        factors += [g for _, inner in f.inner for g in inner]  # exp(w S) reads S too
+        if f.kind == "atom" and f.atom.node in derived:
+            return True
+    return False
+
+
+def _decay_over_all(selfish: list, states: set, out: tuple) -> str:
+    """A decay indexed by every axis of the state (Mamba-1's exp(A[d, n] dt[d])) decays V as
+    well as K: the second reason such a recurrence is not GLA."""
+    axes = [e for e in out if e is not None]
+    for _, fs in selfish:
+        decay_vars = set().union(set(), *(factor_vars(f) for f in fs if f.kind != "atom" or f.atom.node not in states))
+        if len(axes) >= 2 and out_vars(tuple(axes)) <= decay_vars:
+            return "; its decay acts over every axis of the state (expected over K only, not V)"
+    return ""
 
 
 def _state_like(node: fx.Node) -> bool:

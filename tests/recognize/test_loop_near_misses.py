@@ -1,0 +1,158 @@
+"""The time-loop form's near misses on code that is not GLA: a residual stream at batch size 1
+(every term of a state with a size-1 axis reads as an outer product) is no candidate; a
+recurrence whose decay is indexed by every state axis says so; a chunk's k^T v summed over
+its positions is not called a delta rule, while a real delta rule still is."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from gla_inductor.recognize import rewrite_graph
+
+from helpers import rel_err
+from spellings import loop_broadcast_setitem, near_chunk_loop_delta, near_normalized
+
+B, T, H, D = 1, 6, 2, 4
+
+
+def near_misses(fn, *args, forms=("chunked", "loop", "decode", "parallel")) -> tuple:
+    """(output, matches' forms, (form, reason, node names) of each near miss) of fn's graphs,
+    which run unchanged where nothing is rewritten (the callers compare with eager's output)."""
+    results = []
+
+    def backend(gm, example_inputs):
+        results.append(rewrite_graph(gm, forms=forms))
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(fn, backend=backend)(*args)
+    near = [(n.form, n.reason, [x.name for x in n.nodes]) for r in results for n in r.near_misses]
+    return out, [m.form for r in results for m in r.matches], near
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, mixer):
+        super().__init__()
+        self.mixer = mixer
+        self.qkvg = torch.nn.Linear(H * D, 4 * H * D)
+        self.out = torch.nn.Linear(H * D, H * D, bias=False)
+
+    def forward(self, x):
+        q, k, v, g = self.qkvg(x).view(x.shape[0], T, H, 4 * D).chunk(4, -1)
+        o = self.mixer(q, k, v, torch.nn.functional.logsigmoid(g))
+        return self.out(o.reshape(x.shape[0], T, H * D))
+
+
+def stacked(mixer, layers: int = 3):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Layer(mixer) for _ in range(layers)])
+
+    def model(x):
+        for block in blocks:
+            x = x + block(x)  # the residual stream: x_{l+1} = x_l + f(x_l)
+        return x
+
+    return model
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_residual_stream_is_no_loop_candidate(batch, no_cost_rule):
+    """Each layer's GLA loop is rewritten; the stream of residual adds around them is no
+    time loop (at batch size 1 its updates parse as steps: nothing is reported of them)."""
+    model = stacked(loop_broadcast_setitem)
+    x = torch.randn(batch, T, H * D)
+    with torch.no_grad():
+        _, forms, near = near_misses(model, x)
+    assert forms == ["loop"] * 3
+    assert near == []
+
+
+def test_real_near_miss_in_a_stacked_model_is_kept():
+    """The normalized read of each layer is still reported (one entry: the same reason merged
+    over the three layers' states), and nothing of the residual stream."""
+    model = stacked(lambda q, k, v, g: near_normalized(q, k, v))
+    x = torch.randn(B, T, H * D)
+    with torch.no_grad():
+        out, forms, near = near_misses(model, x)
+        assert rel_err(out, model(x)) == 0
+    assert forms == []
+    assert len(near) == 1 and near[0][0] == "loop" and "not read into an assembled output" in near[0][1], near
+    assert len(near[0][2]) == 3 * T and not any(n.startswith("x") for n in near[0][2]), near
+
+
+def mamba1_scan(x, dt, A, Bm, C):
+    """Mamba-1's selective scan: the state [B, D, N] decays by exp(A[d, n] dt[d]) elementwise."""
+    dA = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
+    dBu = dt[:, :, :, None] * Bm[:, None, :, :] * x[:, :, :, None]
+    S = x.new_zeros(x.shape[0], x.shape[1], A.shape[-1])
+    outs = []
+    for t in range(x.shape[2]):
+        S = dA[:, :, t] * S + dBu[:, :, t]
+        outs.append(torch.matmul(S, C[:, t, :].unsqueeze(-1))[:, :, 0])
+    return torch.stack(outs, -1)
+
+
+def test_mamba1_decay_over_both_axes_is_named():
+    gen = torch.Generator().manual_seed(0)
+    b, d, n, t = 2, 8, 4, 5
+    x, dt = torch.randn(b, d, t, generator=gen), torch.rand(b, d, t, generator=gen)
+    A = -torch.rand(d, n, generator=gen)
+    Bm, C = torch.randn(b, t, n, generator=gen), torch.randn(b, t, n, generator=gen)
+    out, forms, near = near_misses(mamba1_scan, x, dt, A, Bm, C)
+    assert forms == [] and rel_err(out, mamba1_scan(x, dt, A, Bm, C)) == 0
+    reasons = [r for f, r, _ in near if f == "loop"]
+    assert reasons and all("elementwise recurrence" in r and "every axis of the state" in r for r in reasons), near
+
+
+def test_elementwise_recurrence_over_k_only_is_not_said_to_decay_v():
+    """HGRN-style h = exp(g) h + k * q with a decay over (b, h) only: no claim about V."""
+
+    def hgrn(q, k, g):
+        h = q.new_zeros(q.shape[0], q.shape[2], q.shape[3])
+        outs = []
+        for t in range(q.shape[1]):
+            h = h * g[:, t].exp()[..., None] + k[:, t] * q[:, t]
+            outs.append(h)
+        return torch.stack(outs, 1)
+
+    q, k = torch.randn(2, 5, H, D), torch.randn(2, 5, H, D)
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 5, H))
+    _, forms, near = near_misses(hgrn, q, k, g)
+    reasons = [r for f, r, _ in near if f == "loop"]
+    assert reasons and all("elementwise recurrence" in r and "not V" not in r for r in reasons), near
+
+
+def chunk_loop(q, k, v, g):
+    """A GLA chunk loop: its state update adds k^T v summed over a chunk's positions."""
+    b, h, n, d = q.shape
+    S = q.new_zeros(b, h, d, v.shape[-1])
+    outs = []
+    for s in range(0, n, 4):
+        q_i, k_i, v_i = q[:, :, s : s + 4], k[:, :, s : s + 4], v[:, :, s : s + 4]
+        G = g[:, :, s : s + 4].cumsum(-1)
+        c = G.shape[-1]
+        Dm = torch.exp(G[..., :, None] - G[..., None, :]).masked_fill(~torch.ones(c, c, dtype=torch.bool).tril(), 0)
+        outs.append((q_i * G[..., None].exp()) @ S + (q_i @ k_i.transpose(-1, -2) * Dm) @ v_i)
+        S = S * G[..., -1, None, None].exp() + (k_i * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2) @ v_i
+    return torch.cat(outs, dim=2)
+
+
+def chunk_args():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, H, 8, D, generator=gen) for _ in range(3))
+    return q, k, v, torch.nn.functional.logsigmoid(torch.randn(2, H, 8, generator=gen))
+
+
+def test_chunk_loop_update_is_not_called_a_delta_rule():
+    """Without the chunked form (as if it refused the loop), the time-loop form says nothing
+    false about the chunk loop's state update."""
+    _, forms, near = near_misses(chunk_loop, *chunk_args(), forms=("loop", "decode"))
+    assert forms == []
+    assert not any("delta-rule" in r for _, r, _ in near), near
+
+
+def test_chunked_delta_rule_is_still_called_one():
+    _, forms, near = near_misses(near_chunk_loop_delta, *chunk_args())
+    assert forms == []
+    assert any("delta-rule" in r for _, r, _ in near), near
