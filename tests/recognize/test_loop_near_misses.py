@@ -68,6 +68,18 @@ def test_residual_stream_is_no_loop_candidate(batch, no_cost_rule):
     assert near == []
 
 
+def test_single_layer_residual_is_no_decode_candidate(no_cost_rule):
+    """One layer's residual add at batch size 1, x read from a graph input, parses as a single
+    step from outside the graph (a decode step's shape): nothing is reported of it."""
+    model = stacked(loop_broadcast_setitem, layers=1)
+    x = torch.randn(1, T, H * D)
+    with torch.no_grad():
+        out, forms, near = near_misses(model, x)
+    assert forms == ["loop"]
+    assert near == []
+    assert rel_err(out, model(x)) < 1e-5
+
+
 def test_real_near_miss_in_a_stacked_model_is_kept():
     """The normalized read of each layer is still reported (one entry: the same reason merged
     over the three layers' states), and nothing of the residual stream."""

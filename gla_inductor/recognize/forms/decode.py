@@ -14,7 +14,7 @@ from ..core.match import Match, NearMiss, Reject
 from ..core.op_names import op_name
 from ..core.versions import storage_root
 from .loop import analyze_chain
-from .steps import chains_of, find_steps, is_full_atom
+from .steps import accumulates_outer, chains_of, find_steps, is_full_atom
 
 
 def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
@@ -35,7 +35,8 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         try:
             matches.append(analyze_chain(an, chain, [], single=True))
         except Reject as e:
-            near.append(NearMiss("decode", str(e), [st.node]))
+            if accumulates_outer(st):  # else no GLA candidate: a residual add at batch size 1
+                near.append(NearMiss("decode", str(e), [st.node]))
     return matches, near
 
 
