@@ -1,8 +1,8 @@
 """One GPU, world of 1: context_parallel_gla's step against chunk_gla's, for its eager two-pass
 Function and for the traced (correction) formulation that compiled code uses.
 
-    PYTHONPATH=. python scratch/cp_profile.py [T] [--profile]       (CUDA, NCCL world of 1)
-    PYTHONPATH=. python scratch/cp_profile.py 256 --cpu             (gloo on CPU: checks the script)
+    PYTHONPATH=. python benchmarks/cp_profile.py [T] [--profile]       (CUDA, NCCL world of 1)
+    PYTHONPATH=. python benchmarks/cp_profile.py 256 --cpu             (gloo on CPU: checks the script)
 
 Prints ms per forward + backward step of each, and with --profile the CUDA kernels of each.
 """
