@@ -1,4 +1,4 @@
-"""GPU A/B of the decode op's lowering : the naive one-token step with its fp32 cache
+"""GPU A/B of the decode op's lowering: the naive one-token step with its fp32 cache
 updated in place, compiled by default Inductor and by gla_inductor.backend under each
 config.decode_lowering, with and without mode="reduce-overhead" (cache marked static). Prints the
 median ms per step (host + device: wall clock over a synchronized block of calls), interleaved rounds.
