@@ -223,16 +223,21 @@ def _tri(an: Analyzer, f: Factor, axes: list) -> Optional[torch.Tensor]:
 
 def _state_nodes(an: Analyzer, factors: list) -> list:
     """The module-state placeholders the factors are computed from."""
-    found, frontier, seen = [], [g.atom.node for f in factors for g in _atoms_of(f)], set()
+    return state_roots(an, [g.atom.node for f in factors for g in _atoms_of(f)])
+
+
+def state_roots(an: Analyzer, nodes) -> list:
+    """The module-state placeholders the nodes are computed from, in graph order."""
+    found, frontier, seen = set(), list(nodes), set()
     while frontier:
         n = frontier.pop()
         if n in seen:
             continue
         seen.add(n)
         if n.op == "placeholder" and module_state(n) is not None:
-            found.append(n)
+            found.add(n)
         frontier += n.all_input_nodes
-    return found
+    return sorted(found, key=an.order.__getitem__)
 
 
 def _state_name(node: fx.Node) -> str:

@@ -65,20 +65,6 @@ class TableGate:
     tables: list
 
 
-def state_roots(an: Analyzer, nodes) -> list:
-    """The module-state placeholders the nodes are computed from, in graph order."""
-    found, frontier, seen = set(), list(nodes), set()
-    while frontier:
-        n = frontier.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and module_state(n) is not None:
-            found.add(n)
-        frontier += n.all_input_nodes
-    return sorted(found, key=an.order.__getitem__)
-
-
 def read(an: Analyzer, term, r: Roles, gamma: tuple, reads: list) -> TableGate:
     """The in-graph gate of a chunked computation certified with the constant log gate
     `gamma` whose subgraph reads module state (`reads`: its constants that do); Reject where
@@ -100,7 +86,7 @@ def read(an: Analyzer, term, r: Roles, gamma: tuple, reads: list) -> TableGate:
     if found.shape != want.shape or not torch.allclose(found, want, rtol=GAMMA_RTOL, atol=1e-9):
         raise Reject(f"the intra-chunk decay table gives log gamma {_nums(found)}, expected the chunks' "
                      f"state decay {_nums(want)}")
-    tables = [_fit(n, want) for n in state_roots(an, reads)]
+    tables = [_fit(n, want) for n in static_decay.state_roots(an, reads)]
     return TableGate(factors, r.i, r.j, letter, st.reverse, tables)
 
 
