@@ -75,13 +75,27 @@ def _unprofitable_reason(m) -> str | None:
     values = [v for v in (n.meta.get("example_value") for n in m.nodes) if isinstance(v, torch.Tensor)]
     if not values:
         return None
-    sizes = {k: v if isinstance(v, int) else None for k, v in m.shapes.items()}
+    sizes = {k: _size_hint(v) for k, v in m.shapes.items()}
     B, T, H, K, V = (sizes.get(c) for c in "BTHKV")
     if K is None or V is None:
         return None
+    # the decode lowering folds a constant scale into its template; a computed one stays an extern call
+    lowered = isinstance(m.options.get("scale", 1.0), (int, float))
     candidate = cost.Candidate(form=m.form, steps=T, batch_heads=None if B is None or H is None else B * H, K=K,
-                               V=V, device=values[0].device.type, needs_grad=any(v.requires_grad for v in values))
+                               V=V, device=values[0].device.type, needs_grad=any(v.requires_grad for v in values),
+                               lowered=lowered)
     return cost.unprofitable_reason(candidate)
+
+
+def _size_hint(size) -> int | None:
+    """A size as an int: symbolic sizes (``dynamic=True``) by the value Dynamo traced with, the
+    model's decision for every size the graph serves (it differs only near the break-even batch)."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return hint if isinstance(hint, int) else None
+    return None
 
 
 def _fuse_gates(gm: torch.fx.GraphModule) -> int:

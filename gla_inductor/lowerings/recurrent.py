@@ -93,14 +93,18 @@ def _group_reason(call: GLACall) -> Optional[str]:
     return None
 
 
+def _template_group_reason(call: GLACall) -> Optional[str]:
+    """Dynamic head counts are specialized (``_specialized``), so only their hints must divide."""
+    hint = V.graph.sizevars.optimization_hint
+    G, H = (hint(x.get_size()[2]) for x in (call.q, call.v))
+    return None if G > 0 and H % G == 0 else f"{H} heads of v are not groups of q/k's {G}"
+
+
 def _template_reason(call: GLACall) -> Optional[str]:
     q = call.q
     if q.get_device().type == "cpu" and inductor_config.cpu_backend != "triton":
         return "CPU tensors (Inductor's CPU backend is not Triton)"
-    K, Vd = q.get_size()[-1], call.v.get_size()[-1]
-    if not (_static(K) and _static(Vd)):
-        return "dynamic head sizes (K and V set the kernel's tiles)"
-    reason = _group_reason(call)
+    reason = _template_group_reason(call)
     if reason is not None:
         return reason
     if not isinstance(call.scale, (int, float)):
@@ -160,7 +164,15 @@ def _realize(x):
 
 def _group(call: GLACall) -> int:
     G, H = call.q.get_size()[2], call.v.get_size()[2]
-    return 1 if V.graph.sizevars.statically_known_equals(G, H) else int(H) // int(G)
+    return 1 if V.graph.sizevars.statically_known_equals(G, H) else _specialized(H) // _specialized(G)
+
+
+def _specialized(size) -> int:
+    """A size the kernel compiles in (head sizes set its tiles, head counts its group size), as an
+    int; where it is symbolic (``dynamic=True``) the graph is guarded on its value, so a model's
+    decode loop compiled once for every batch size runs the template, not the eager op: head sizes
+    and counts do not change between calls of one layer."""
+    return int(size) if _static(size) else V.graph.sizevars.guard_int(size)
 
 
 def _output_dtype(call: GLACall) -> torch.dtype:
@@ -178,8 +190,9 @@ def _template(call: GLACall):
     H, Vd = v.get_size()[2], v.get_size()[3]
     device = q.get_device()
     hint = V.graph.sizevars.optimization_hint
-    cfg = default_recurrent_config(hint(B), hint(H), int(K), int(Vd), device)
-    options = recurrent_options(int(K), int(Vd), call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
+    K, Vd = _specialized(K), _specialized(Vd)
+    cfg = default_recurrent_config(hint(B), hint(H), K, Vd, device)
+    options = recurrent_options(K, Vd, call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
                                 use_h0=True, store_ht=True, group=_group(call),
                                 use_indices=call.state_indices is not None, ht_is_h0=True)
     names = _arg_names(RECURRENT, options, tensors)

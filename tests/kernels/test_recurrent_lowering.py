@@ -277,3 +277,22 @@ def test_template_with_a_dynamic_batch(triton_inductor):
 @needs_decomposition
 def test_decomposition_with_a_dynamic_batch(cpp_inductor):
     _dynamic_batches("cpu", lambda code: "cpp_fused" in code)
+
+
+@needs_triton
+def test_template_with_every_size_dynamic(triton_inductor):
+    """``dynamic=True``: batch, heads and head sizes symbolic. The template specializes the head
+    sizes and the group size with guards (a new head size recompiles) rather than falling back to
+    the eager op; every call is lowered and exact."""
+    def step(q, k, v, g, x):
+        return torch.ops.gla_inductor.fused_recurrent(q, k, v, g, None, x, SCALE, False) * 2
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True, dynamic=True)
+    for B, H, G, K, V in ((2, 4, 2, 8, 12), (3, 6, 3, 8, 12), (2, 4, 2, 16, 8)):
+        q, k, v, g, _, h0 = _inputs("vector", B=B, H=H, G=G, K=K, V=V)
+        x = h0.clone()
+        out, (code, *_) = run_and_get_code(compiled, q, k, v, g, x)
+        ref_o, ref_ht = _reference(q, k, v, g, None, h0)
+        assert_rel_close(f"o {B, H, K, V}", out / 2, ref_o, TOL[torch.float32])
+        assert_rel_close(f"state {B, H, K, V}", x, ref_ht, TOL[torch.float32])
+        assert not EXTERN_CALL.search(code) and TEMPLATE_KERNEL in code, code
