@@ -194,6 +194,21 @@ def graph_ms(fn: Callable, **kw) -> Optional[float]:
     return None if t is None else t.median
 
 
+def kernel_ms(fn: Callable, calls: int = 20) -> float:
+    """GPU time per call as the sum of the CUDA kernels' (and copies') durations under the
+    profiler: host time and the gaps a host synchronization leaves are not counted. For calls that
+    cannot be captured in a CUDA graph (FLA's packed sequences read their offsets on the host), so
+    that both sides of a comparison are GPU time alone."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1000 / calls
+
+
 def first_and_warm(fn: Callable, device: str, between: Optional[Callable] = None):
     """(output of the first call, its seconds, the seconds of a second call): the difference is the
     compile time of a function compiled on first call. ``between(output)`` runs between the calls

@@ -11,7 +11,8 @@ Per case (bf16, H = 16, K = V = 128, layout [1, T, H, D] packed), ms of:
     [1, T] for the mixed case (what packing should cost nothing against).
 Timed by the shared harness: CUDA events (host time included) and CUDA-graph replays (GPU time
 alone; every input, output gradient included, exists before capture; a call that cannot be
-captured gets a note instead). Cases (the anchors): 8 x 2048 packed, and 12 mixed lengths (25.7k
+captured gets a note instead), and the profiler's sum of kernel durations (GPU time of calls that
+cannot be captured, as FLA's packed calls: they read the offsets on the host). Cases (the anchors): 8 x 2048 packed, and 12 mixed lengths (25.7k
 tokens). Targets: packed forward >= 2.5x FLA chunk_gla, forward + backward >= 2x, scalar gate
 >= 1.5x chunk_simple_gla, and packed within 1.1x of our fixed-length time at equal tokens.
 """
@@ -127,6 +128,9 @@ def run_case(name: str, lengths: list, shape: tuple, device: str, args, fla, not
             errors = {}
             for key, t in harness.measure(fns, clock=clock, rounds=rounds, errors=errors).items():
                 rows[key].update(t.fields(prefix) if t is not None else {f"{prefix}error": errors.get(key)})
+        if device == "cuda":
+            for key, fn in fns.items():
+                rows[key]["kernel_ms"] = harness.kernel_ms(fn)
         for key in fns:
             harness.log(rows[key])
     harness.free_memory()
@@ -156,7 +160,9 @@ def run(args):
         print(f"[varlen] {name}: {len(lengths)} sequences, {sum(lengths)} tokens", file=sys.stderr,
               flush=True)
         result.rows += run_case(name, lengths, (1, sum(lengths), heads, dim, dim), device, args, fla, notes)
-    result.notes += notes + ["ms: CUDA events (host time included; CPU clock on CPU); graph: CUDA-graph replays",
+    result.notes += notes + ["ms: CUDA events (host time included; CPU clock on CPU); graph: CUDA-graph replays; "
+                             "GPU kernels: the profiler's sum of kernel durations per call (FLA's packed calls "
+                             "cannot be captured: they read the offsets on the host)",
                              "ours fixed: the same tokens unpacked, N x L for equal lengths, else 1 x T"]
     result.sections.append(markdown(result.rows))
     if device == "cuda":
@@ -168,12 +174,13 @@ def markdown(rows: list) -> str:
     by = {(r["case"], r["what"], r["impl"]): r for r in rows}
     out = []
     for case, what in dict.fromkeys((r["case"], r["what"]) for r in rows):
-        for key in ("graph_ms", "ms"):
+        for key in ("graph_ms", "kernel_ms", "ms"):
             ours, fixed, fla = (by.get((case, what, n), {}).get(key) for n in ("ours_packed", "ours_fixed",
                                                                                    "fla_packed"))
             if ours is None and fla is None:
                 continue
-            out.append({"case": case, "what": f"{what} ({'graph' if key == 'graph_ms' else 'events'})", "ours": ours,
+            clock = {"graph_ms": "graph", "kernel_ms": "GPU kernels", "ms": "events"}[key]
+            out.append({"case": case, "what": f"{what} ({clock})", "ours": ours,
                         "fixed": fixed, "fla": fla, "fla_x": report.ratio(fla, ours),
                         "packed_x": report.ratio(ours, fixed)})
     errs = [f"- {r['case']} {r['what']} {r['impl']}: {r.get('error') or r.get('graph_error')}"
