@@ -11,7 +11,7 @@ reduce-scatter), over the step.
 
 Tensor parallel (--mode tp; target: per-rank time within 1.05x of one GPU running that rank's
 heads): H heads as DTensors sharded over W ranks, ``chunk_gla`` forward + backward, against
-``chunk_gla`` on plain tensors with H/W heads on one rank.
+``chunk_gla`` on plain tensors with H/W heads on one rank (``tp-overhead`` splits this by pass).
 
 Each W runs in W fresh processes (torch.multiprocessing spawn); every process sets
 NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (NVLink multicast off) before NCCL starts.
@@ -146,12 +146,14 @@ def tp_rank(rank, world, args, device) -> dict:
     local = [x.to_local().detach().requires_grad_() for x in sharded]
     do_sharded = distribute_tensor(torch.randn(B, T, H, K, device=device, dtype=dtype), mesh, [Shard(2)])
 
+    gla = torch.compile(gla_inductor.chunk_gla, fullgraph=True) if args.compile else gla_inductor.chunk_gla
+
     def dtensor_step():
-        o, _ = gla_inductor.chunk_gla(*sharded)
+        o, _ = gla(*sharded)
         o.backward(do_sharded)
 
     dt_ms = slowest(timed(dtensor_step, device, args.iters), device)
-    local_ms = slowest(timed(step_fn(gla_inductor.chunk_gla, local), device, args.iters), device)
+    local_ms = slowest(timed(step_fn(gla, local), device, args.iters), device)
     return {"world": world, "heads_per_rank": H // world, "dtensor_ms": dt_ms, "local_heads_ms": local_ms}
 
 

@@ -50,6 +50,10 @@ BENCHMARKS = {
     "cp-scaling": Entry("benchmarks.cp_scaling",
                         "context-parallel (and tensor-parallel) GLA over 1, 2, 4 GPUs with NCCL: speed-up and "
                         "the communication share of the step (several GPUs; --device cpu: gloo, tiny)"),
+    "tp-overhead": Entry("benchmarks.tp_overhead",
+                         "tensor parallel over heads: a DTensor chunk_gla call per rank against plain tensors of "
+                         "the rank's heads, eager and compiled, forward and forward+backward (several GPUs; "
+                         "--device cpu: gloo, tiny)"),
     "tune": Entry("benchmarks.tune",
                   "tile sweeps of the kernels (schedule, segments, slices, dqkg), stage ablations, A/B of code "
                   "versions (CUDA)", tool=True),

@@ -22,17 +22,32 @@ the sequence), over K or V, Partial inputs, one mesh dimension mixing heads and 
 q and k whose G heads do not split evenly with v's (each rank's v heads must read its own q/k
 heads). ``fused_recurrent`` overwrites its state in place, so the state must already have the
 placement of the chosen mode: a redistributed copy would take the update instead.
+
+Eager ``chunk_gla`` on DTensors already placed as their mode asks (every input Shard over heads,
+say) skips DTensor's dispatch and torch.library's wrappers: one autograd Function runs the local
+parts, forward and backward, and wraps the results with the placements the rules above give
+(``_LocalChunkGLA``; everything else, Replicate inputs to slice included, takes the op). Compiled
+graphs hold the ops, on the local tensors.
+
+The rules are registered with every non-tensor argument in DTensor's sharding cache key:
+``register_sharding`` keys only integer arguments, and a call with ``output_final_state`` flipped
+would reuse the other call's placement for the final state.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor.experimental import register_sharding
+
+from ..contract import CHUNK_FWD_ARGS, compute_dtype, output_dtype
+from ..ops.chunk import eager_backward, eager_forward, register_eager_route
 
 __all__ = ["register_gla_sharding"]
 
@@ -192,12 +207,135 @@ def _rule(op: str):
 _REGISTERED = False
 
 
+def _schema_info(op: torch._ops.OpOverload) -> RuntimeSchemaInfo:
+    """Every non-tensor argument (from the first on, and by name when passed by keyword) in the key
+    of DTensor's sharding cache, and no pytree flattening (no argument is a list)."""
+    args = op._schema.arguments
+    static = [i for i, a in enumerate(args) if "Tensor" not in str(a.type)]
+    return RuntimeSchemaInfo(static[0], [args[i].name for i in static], needs_pytree=False)
+
+
 def register_gla_sharding() -> None:
-    """Register the rules with DTensor (once; importing ``gla_inductor.distributed`` does it). The
-    ops must be defined first: importing gla_inductor defines them."""
+    """Register the rules with DTensor and the eager route of ``chunk_gla`` on DTensors (once;
+    importing ``gla_inductor.distributed`` does it). The ops must be defined first: importing
+    gla_inductor defines them."""
     global _REGISTERED
     if _REGISTERED:
         return
-    for op in _OUTPUTS:
-        register_sharding(getattr(torch.ops.gla_inductor, op).default)(_rule(op))
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in _OUTPUTS:
+        op = getattr(torch.ops.gla_inductor, name).default
+        register_sharding(op)(_rule(name))
+        propagator.register_op_strategy(op, propagator.op_strategy_funcs[op], _schema_info(op))
+    register_eager_route(local_chunk_gla)
     _REGISTERED = True
+
+
+# ---------------------------------------------------------------------------------------------
+# eager chunk_gla on DTensors placed as their mode asks: the local parts, without DTensor's dispatch
+# ---------------------------------------------------------------------------------------------
+
+_TENSOR_ARGS = tuple(n for n in CHUNK_FWD_ARGS if n in _DIMS)  # cu_seqlens aside: never sharded
+
+
+class _Plan(NamedTuple):
+    """What a call with given input specs runs as: the specs of o and the final state, and of each
+    argument's gradient (None for the non-tensor arguments and absent tensors)."""
+
+    out_specs: tuple[DTensorSpec, DTensorSpec]
+    grad_specs: tuple[Optional[DTensorSpec], ...]
+    final_state: bool
+
+
+def local_chunk_gla(args: tuple):
+    """chunk_fwd's (o, ht) for its full arguments on DTensors, without DTensor's dispatch; None
+    where the call needs it (a plain tensor among DTensors, packed sequences, inputs to
+    redistribute, several meshes). Bad placements raise the rules' errors."""
+    named = dict(zip(CHUNK_FWD_ARGS, args))
+    if named.get("cu_seqlens") is not None:
+        return None
+    specs = {}
+    for n in _TENSOR_ARGS:
+        x = named[n]
+        if isinstance(x, DTensor):
+            specs[n] = x._spec
+        elif x is not None:
+            return None
+    if not specs:
+        return None
+    plan = _plan(tuple(specs.items()), bool(named["output_final_state"]))
+    return None if plan is None else _LocalChunkGLA.apply(plan, *args)
+
+
+@functools.lru_cache(maxsize=1024)  # a training loop calls with a few specs again and again
+def _plan(named_specs: tuple[tuple[str, DTensorSpec], ...], final: bool) -> Optional[_Plan]:
+    """The plan of a call whose every DTensor already has its mode's placement on every mesh dim,
+    else None (the errors of bad placements are not cached: each call raises them again)."""
+    specs = dict(named_specs)
+    mesh = specs["q"].mesh
+    if any(s.mesh != mesh for s in specs.values()):
+        return None
+    modes = [m or REPLICATE for m in _modes("chunk_fwd", specs)]
+    if any(s.placements != tuple(placement_for(n, m) for m in modes) for n, s in specs.items()):
+        return None  # a Replicate input to slice: DTensor's dispatch does it
+    if HEADS in modes:
+        ranks = math.prod(mesh.size(d) for d, m in enumerate(modes) if m == HEADS)
+        check_groups("chunk_fwd", specs["q"].shape[2], specs["v"].shape[2], ranks)
+    metas = {n: s.tensor_meta for n, s in specs.items()}
+    B, T, H, V = specs["v"].shape
+    K = specs["q"].shape[-1]
+    state_dtype = compute_dtype(*(metas.get(n) for n in ("q", "k", "v", "g", "g_gamma", "initial_state")))
+    o = _spec(mesh, [placement_for("v", m) for m in modes], (B, T, H, V),
+              output_dtype(metas["q"], metas["k"], metas["v"]))
+    if final:
+        ht = _spec(mesh, [placement_for("initial_state", m) for m in modes], (B, H, K, V), state_dtype)
+    else:
+        ht = _spec(mesh, [Replicate()] * mesh.ndim, (0,), state_dtype)
+    grads = tuple(_grad_spec(specs[n], n, modes) if n in specs else None for n in CHUNK_FWD_ARGS)
+    return _Plan((o, ht), grads, final)
+
+
+def _grad_spec(spec: DTensorSpec, name: str, modes: list[str]) -> DTensorSpec:
+    """The gradient of an input placed like the input, but Partial on a batch-sharded mesh dim for
+    a parameter without a batch dim (g_gamma, gate_a, gate_bias): each rank sums its own rows."""
+    placements = [Partial() if m == BATCH and _DIMS[name][0] is None else p for m, p in zip(modes, spec.placements)]
+    return _spec(spec.mesh, placements, spec.shape, spec.tensor_meta.dtype)
+
+
+def _spec(mesh, placements: list, shape: tuple, dtype: torch.dtype) -> DTensorSpec:
+    """The spec of a contiguous tensor: the ops return contiguous tensors."""
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+
+
+def _local(grad: Optional[DTensor], spec: DTensorSpec):
+    """The local part of an output's gradient, redistributed first where it comes placed otherwise
+    (a Partial gradient from a later op, say)."""
+    if grad is None:
+        return None
+    if grad.placements != spec.placements:
+        grad = grad.redistribute(spec.mesh, spec.placements)
+    return grad._local_tensor
+
+
+class _LocalChunkGLA(torch.autograd.Function):
+    """chunk_gla on DTensors as one autograd node: the eager implementation and formula on the
+    local tensors, the outputs and gradients wrapped with the plan's specs."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, *args):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as through the op
+        ctx.plan = plan
+        local = tuple(x._local_tensor if isinstance(x, DTensor) else x for x in args)
+        o, ht = (DTensor(x, spec, requires_grad=False) for x, spec in zip(eager_forward(ctx, local), plan.out_specs))
+        if not plan.final_state:
+            ctx.mark_non_differentiable(ht)
+        return o, ht
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        plan = ctx.plan
+        grads = eager_backward(ctx, _local(do, plan.out_specs[0]), _local(dht, plan.out_specs[1]))
+        return (None, *(None if g is None or spec is None else DTensor(g, spec, requires_grad=False)
+                        for g, spec in zip(grads, plan.grad_specs)))

@@ -23,7 +23,8 @@ from ..impl import prefix_states
 from ..gates import gate_grads
 from . import dispatch
 
-__all__ = ["chunk_bwd", "chunk_fwd", "chunk_fwd_states", "on_first_trace", "run_chunk_gla"]
+__all__ = ["chunk_bwd", "chunk_fwd", "chunk_fwd_states", "eager_backward", "eager_forward", "on_first_trace",
+           "register_eager_route", "run_chunk_gla"]
 
 # Called once before the first trace through the fake implementations: the package face installs
 # the loader of the Inductor lowerings here, so that a graph reaching Inductor has them registered
@@ -266,18 +267,45 @@ class _EagerChunkGLA(torch.autograd.Function):
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
+def _no_tracing() -> bool:
+    """Outside compilation and with no torch function or dispatch mode active (fake tensors,
+    tracing, FlopCounter): only there may a call bypass the ops, which such modes see and trace."""
+    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack() > 0)
+
+
 def _eager_fast_path(tensors) -> bool:
     """Whether ``chunk_gla`` may bypass the ops: outside compilation, with no torch function or
     dispatch mode active (fake tensors, tracing, FlopCounter) and plain tensors only (no subclass
     or functorch wrapper), where only the ops see and trace what happens."""
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
-        return False
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(
+    return _no_tracing() and all(
         x is None or type(x) in _PLAIN_TENSORS and not torch._C._functorch.is_functorch_wrapped_tensor(x)
         for x in tensors
     )
+
+
+def eager_forward(ctx, args: tuple) -> tuple[Tensor, Tensor]:
+    """chunk_fwd's implementation on plain tensors, saving on ``ctx`` what ``eager_backward`` needs:
+    the forward of an autograd Function that runs a tensor subclass's local parts."""
+    o, ht = _chunk_fwd_impl(*args)
+    _chunk_fwd_setup_context(ctx, args, (o, ht))
+    return o, ht
+
+
+def eager_backward(ctx, do: Optional[Tensor], dht: Optional[Tensor]) -> tuple:
+    """The gradients of ``eager_forward``'s arguments (None for the non-tensor ones)."""
+    return _chunk_fwd_backward(ctx, do, dht, bwd=_chunk_bwd_impl)
+
+
+# Eager routes for tensor subclasses: each takes chunk_fwd's full arguments and returns (o, ht), or
+# None where it does not take the call (``distributed`` runs DTensors' local parts without DTensor's
+# dispatch). Outside compilation and dispatch modes only, like the fast path.
+_eager_routes: list[Callable[[tuple], Optional[tuple[Tensor, Tensor]]]] = []
+
+
+def register_eager_route(route: Callable[[tuple], Optional[tuple[Tensor, Tensor]]]) -> None:
+    if route not in _eager_routes:
+        _eager_routes.append(route)
 
 
 def run_chunk_gla(call: GLACall) -> tuple[Tensor, Tensor]:
@@ -285,4 +313,9 @@ def run_chunk_gla(call: GLACall) -> tuple[Tensor, Tensor]:
     args = call.op_args(full=True)
     if _eager_fast_path([*call.tensors().values(), call.cu_seqlens]):
         return _EagerChunkGLA.apply(*args)
+    if _eager_routes and _no_tracing():
+        for route in _eager_routes:
+            out = route(args)
+            if out is not None:
+                return out
     return torch.ops.gla_inductor.chunk_fwd(*args)

@@ -1,0 +1,195 @@
+"""Tensor parallelism over heads: what a DTensor call of ``chunk_gla`` costs per rank beyond the same
+call on plain tensors holding the rank's heads (target: within 1.05x).
+
+Per world size W (spawned processes, NCCL on GPUs, gloo with ``--device cpu``): q, k, v, g
+[B, T, H, K] sharded over heads (``Shard(2)``), and their local parts as plain tensors. Four
+passes: eager and compiled (``torch.compile(fullgraph=True)``, default Inductor), forward (no
+grad) and forward + backward (gradients set to None before each step, as ``zero_grad`` does).
+DTensor and plain steps alternate in rounds; each rank's median, ranks aligned by a barrier before
+every step. Columns: the step to the device's end (``ms``, the slowest rank's), the host's part
+(until the call returns, before synchronizing: where it nears ``ms`` the step waits on the host),
+the DTensor / plain ratio of every rank and the largest of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from benchmarks import harness, report
+
+PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+CPU_SIZE = {"T": 64, "H": 4, "K": 16}
+PASSES = [("eager", "fwd"), ("eager", "fwd+bwd"), ("compiled", "fwd"), ("compiled", "fwd+bwd")]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--worlds", default="2,4", help="process counts (those above the GPU count are left out)")
+    p.add_argument("--T", type=int, default=32768)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--K", type=int, default=128, help="K = V")
+    p.add_argument("--iters", type=int, default=10, help="steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of DTensor and plain steps")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _samples(step, device, iters: int) -> tuple[list, list]:
+    """(ms to the device's end, host ms) of each of iters steps."""
+    total, host = [], []
+    for _ in range(iters):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        returned = time.perf_counter()
+        _sync(device)
+        total.append((time.perf_counter() - start) * 1e3)
+        host.append((returned - start) * 1e3)
+    return total, host
+
+
+def compare(steps: dict, device, iters: int, rounds: int, warmup: int = 3) -> dict:
+    """Medians of this rank's steps by name ('dtensor', 'plain'), measured in alternating rounds."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    samples = {name: ([], []) for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            total, host = _samples(step, device, iters)
+            samples[name][0].extend(total)
+            samples[name][1].extend(host)
+    return {f"{name}_{kind}": statistics.median(s[i]) for name, s in samples.items()
+            for i, kind in enumerate(("ms", "host_ms"))}
+
+
+def _inputs(B, T, H, K, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, K, generator=gen, device=device, dtype=dtype) for _ in range(3))
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen, device=device)).to(dtype) / 16
+    return [q, k, v, g]
+
+
+def _step(fn, tensors: list, do, backward: bool):
+    def fwd():
+        with torch.no_grad():
+            fn(*tensors)
+
+    def fwd_bwd():
+        for x in tensors:
+            x.grad = None
+        o = fn(*tensors)
+        o.backward(do)
+
+    return fwd_bwd if backward else fwd
+
+
+def gla_o(q, k, v, g):
+    import gla_inductor
+
+    return gla_inductor.chunk_gla(q, k, v, g)[0]
+
+
+def rank_rows(rank, world, args, device) -> list:
+    import gla_inductor.distributed  # noqa: F401  (the sharding rules and the eager route)
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mesh = init_device_mesh(device.type, (world,))
+    full = _inputs(1, args.T, args.H, args.K, dtype, device)
+    sharded = [distribute_tensor(x, mesh, [Shard(2)]).requires_grad_() for x in full]
+    local = [x.to_local().detach().clone().requires_grad_() for x in sharded]
+    do_sharded = distribute_tensor(torch.randn_like(full[2]), mesh, [Shard(2)])
+    do_local = do_sharded.to_local().clone()
+    rows = []
+    for mode, pass_ in PASSES:
+        fns = ({"dtensor": torch.compile(gla_o, fullgraph=True), "plain": torch.compile(gla_o, fullgraph=True)}
+               if mode == "compiled" else {"dtensor": gla_o, "plain": gla_o})
+        backward = pass_ == "fwd+bwd"
+        steps = {"dtensor": _step(fns["dtensor"], sharded, do_sharded, backward),
+                 "plain": _step(fns["plain"], local, do_local, backward)}
+        r = compare(steps, device, args.iters, args.rounds)
+        r["ratio"] = r["dtensor_ms"] / r["plain_ms"]
+        ratios = [None] * world
+        dist.all_gather_object(ratios, r)
+        rows.append({"world": world, "heads_per_rank": args.H // world, "mode": mode, "pass": pass_,
+                     **{k: max(x[k] for x in ratios) for k in r}, "rank_ratios": [x["ratio"] for x in ratios]})
+    return rows
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.update(PROCESS_ENV)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    options = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300), **options)
+    try:
+        rows = rank_rows(rank, world, args, device)
+        if rank == 0:
+            queue.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, args) -> list:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(world, port, args, queue), nprocs=world)
+    return queue.get()
+
+
+def run(args):
+    os.environ.update(PROCESS_ENV)  # inherited by the spawned processes, which set it again themselves
+    if args.device == "cuda":
+        harness.require_cuda("tp-overhead")
+    if args.device == "cpu":
+        args.T, args.H, args.K = CPU_SIZE["T"], CPU_SIZE["H"], CPU_SIZE["K"]
+    if args.quick:
+        args.iters, args.rounds = 3, 1
+    worlds = [int(w) for w in args.worlds.split(",")]
+    result = report.new_result("tp-overhead", "Tensor parallel over heads: DTensor call against the rank's heads",
+                               args.device, T=args.T, H=args.H, K=args.K, iters=args.iters, rounds=args.rounds,
+                               **PROCESS_ENV)
+    if args.device == "cuda":
+        dropped = [w for w in worlds if w > torch.cuda.device_count()]
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
+        if dropped:
+            result.notes.append(f"worlds {dropped} left out: {torch.cuda.device_count()} GPU(s) visible")
+    for w in worlds:
+        print(f"[tp-overhead] W={w}", file=sys.stderr, flush=True)
+        for row in run_world(w, args):
+            harness.log(row)
+            result.rows.append(row)
+    result.sections.append(table(result.rows))
+    return result
+
+
+def table(rows: list) -> str:
+    head = ("Per rank, B = 1, bf16 on GPUs (fp32 on CPU), vector gate; medians, the slowest rank's ms, the "
+            "largest rank ratio\n\n")
+    return head + report.table(rows, [
+        ("W", "world", "d"), ("heads / rank", "heads_per_rank", "d"), ("mode", "mode", "s"), ("pass", "pass", "s"),
+        ("DTensor ms", "dtensor_ms", ".3f"), ("plain ms", "plain_ms", ".3f"), ("ratio", "ratio", ".3f"),
+        ("per rank", lambda r: " ".join(f"{x:.3f}" for x in r["rank_ratios"]), "s"),
+        ("DTensor host ms", "dtensor_host_ms", ".3f"), ("plain host ms", "plain_host_ms", ".3f")])
