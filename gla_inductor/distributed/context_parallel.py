@@ -26,12 +26,15 @@ traces into one graph under ``torch.compile(fullgraph=True)``, the same graph on
 
 That formulation is what compiled code runs: Inductor fuses its elementwise ops. Eager calls, whose
 elementwise ops and their autograd would each be a pass over [B, T, H, K] in fp32, run the
-textbook two passes instead (``_TwoPassCP``): the segments' final states and decays from zero, the
-all-gather and scan, then ``chunk_gla`` from each segment's entering state; the backward gets the
-gradient of each segment's o w.r.t. its entering state from one run in the opposite direction,
-all-gathers those, scans them against processing order into the gradient of the state leaving
-each segment, and runs one ``chunk_bwd`` per rank from the entering state with that gradient.
-Both give the same values and gradients under the convention below.
+textbook two passes instead (``_TwoPassCP``): the segments' final states and decays from zero (a
+states-only pass, ``chunk_final_state``: it reads k, v, g and writes no o), the all-gather and
+scan, then ``chunk_fwd`` from each segment's entering state; the backward gets the gradient of each
+segment's o w.r.t. its entering state from the dual states-only pass (reads q, do, g), all-gathers
+those, scans them against processing order into the gradient of the state leaving each segment,
+and runs one ``chunk_bwd`` per rank from the entering state with that gradient. A rank's step is
+then chunk_gla's forward and backward on its segments plus two passes that read three of its
+[T, K]-sized inputs each. Both formulations give the same values and gradients under the
+convention below.
 
 Gradient convention for local tensors: the loss is the sum of the ranks' losses. A tensor given to
 every rank (initial_state, g_gamma, gate_a, gate_bias) receives on each rank that rank's share of
@@ -56,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..contract import GLACall, validate_gate, validate_inputs
-from ..ops import chunk_gla
+from ..ops import chunk_gla, dispatch
 from ..ops.chunk import _eager_fast_path
 from ..gates import GateFn, check_gate_name, gate_grads, log_gate
 from . import tensor_parallel as tp
@@ -142,25 +145,27 @@ def _time_cumsum(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _decays(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, reverse: bool, dtype: torch.dtype
             ) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """A segment's whole log decay D ([B, H, K] for a vector gate, [B or 1, H, 1] otherwise, to
-    broadcast against [B, H, K, V] states) and exp(G_t), G_t the log gates from the segment's first
-    processed step through t ([B, T, H, K], [B, T, H] or [1, T, H]); (None, None) without a gate.
-    Sums accumulate in ``dtype`` (the states'), read from g as it is where no gate function applies."""
+    """A segment's whole decay exp(D), D the sum of its log gates ([B, H, K] for a vector gate,
+    [B or 1, H, 1] otherwise, to broadcast against [B, H, K, V] states), and exp(G_t), G_t the log
+    gates from the segment's first processed step through t ([B, T, H, K], [B, T, H] or [1, T, H]);
+    (None, None) without a gate. Sums accumulate in ``dtype`` (the states'), read from g as it is
+    where no gate function applies."""
     if g is not None:
         lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
         D = lg.sum(1, dtype=dtype)
         G = _time_cumsum(lg.flip(1), dtype).flip(1) if reverse else _time_cumsum(lg, dtype)
-        return (D if g.dim() == 4 else D.unsqueeze(-1)), G.exp()
+        return (D if g.dim() == 4 else D.unsqueeze(-1)).exp(), G.exp()
     if g_gamma is not None:
         gamma = g_gamma.to(dtype)
         steps = torch.arange(1, T + 1, device=gamma.device, dtype=dtype)  # steps processed through t
         steps = steps.flip(0) if reverse else steps
-        return (T * gamma).view(1, -1, 1), (steps[:, None] * gamma).exp().unsqueeze(0)
+        return (T * gamma).exp().view(1, -1, 1), (steps[:, None] * gamma).exp().unsqueeze(0)
     return None, None
 
 
 def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:
-    """All-gather every rank's (S, D), packed into one buffer: [world, *S.shape], [world, *D.shape]."""
+    """All-gather every rank's (S, D) (states, decays), packed into one buffer: [world, *S.shape],
+    [world, *D.shape]."""
     parts = [S.flatten()] + ([] if D is None else [D.expand(S.shape[:2] + D.shape[2:]).flatten()])
     gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
     S_all = gathered[:, : S.numel()].view(world, *S.shape)
@@ -169,11 +174,11 @@ def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[T
     return S_all, gathered[:, S.numel():].view(world, *S.shape[:2], *D.shape[2:])
 
 
-def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Segments, reverse: bool
-          ) -> tuple[Tensor, Tensor]:
+def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Segments, reverse: bool,
+          traced: bool = True) -> tuple[Tensor, Tensor]:
     """The states entering this rank's segments, stacked along the batch ([n * B, H, K, V], in the
-    order of ``seg.own``), and the final state: h <- exp(D_j) * h + S_j over the global segments in
-    processing order, from h0 (or zeros).
+    order of ``seg.own``), and the final state: h <- a_j * h + S_j over the global segments in
+    processing order, from h0 (or zeros); a_j = D_all[j], segment j's decay exp(D_j) (None: 1).
 
     NOTE:[CP uniform graph] Every rank computes every entering state and picks its own through an
     index tensor, rather than taking a Python-chosen one: so every rank traces the same graph (only
@@ -182,6 +187,9 @@ def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Se
     h0), its share of the all-gather's backward would be a constant zero, which AOTAutograd's
     partitioner computes in the forward graph: that rank would run the reduce-scatter during the
     forward while the others run it in the backward, and the collectives would not pair up.
+    Eager calls (``traced=False``, the two-pass Function, whose backward is its own) pick the
+    states in Python: the index tensor would be a host-to-device copy, which waits for the stream
+    (the all-gather included) before the host may launch the rest of the forward.
     """
     n = len(seg.own)
     B = S_all.shape[1] // n
@@ -192,7 +200,9 @@ def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Se
         position[j] = len(states)
         states.append(h)
         rows = slice(i * B, (i + 1) * B)
-        h = (h if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * h) + S_all[r, rows]
+        h = (h if D_all is None else D_all[r, rows].unsqueeze(-1) * h) + S_all[r, rows]
+    if not traced:
+        return torch.cat([states[position[j]] for j in seg.own]), h
     index = torch.tensor([position[j] for j in seg.own], device=h.device)
     return torch.stack(states).index_select(0, index).flatten(0, 1), h
 
@@ -284,12 +294,11 @@ def _two_pass_applies(tensors) -> bool:
 class _TwoPassCP(torch.autograd.Function):
     """Context parallel GLA in two passes of the chunk kernels, with no elementwise work over [T, K].
 
-    forward: each segment's final state from zero and its total log decay; one all-gather; the scan
-    gives the state entering each segment; ``chunk_fwd`` from that state gives o (the kernel applies
-    the state itself).
-    backward: the gradient of each segment's o w.r.t. its entering state (one ``chunk_fwd`` in the
-    opposite direction on q, do and the gates shifted by a step, ``_entering_grad``); one all-gather
-    of those and of the final state's gradients; the scan against processing order gives the
+    forward: each segment's final state from zero and its decay (the states-only pass,
+    ``_final_state``); one all-gather; the scan gives the state entering each segment; ``chunk_fwd``
+    from that state gives o (the kernel applies the state itself).
+    backward: the gradient of each segment's o w.r.t. its entering state (the dual states-only
+    pass on q, do and the gates); one all-gather of those and of the final state's gradients; the scan against processing order gives the
     gradient of the state leaving each segment; ``chunk_bwd`` from the entering state with that
     gradient gives every input's gradient (a segment's inputs reach the loss only through its o and
     its leaving state, so this is exact).
@@ -298,14 +307,13 @@ class _TwoPassCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, q, k, v, g, g_gamma, initial_state, gate_a, gate_bias):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
-        call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, output_final_state=True, reverse=spec.reverse,
-                       gate=spec.fn, gate_a=gate_a, gate_bias=gate_bias)
-        _, S = torch.ops.gla_inductor.chunk_fwd(*call.op_args())  # o from zero is not needed
-        D = _total_decay(g, g_gamma, spec.fn, gate_a, gate_bias, q.shape[1], S.dtype)
+        call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, reverse=spec.reverse, gate=spec.fn,
+                       gate_a=gate_a, gate_bias=gate_bias)
+        S, D = _final_state(call)
         S_all, D_all = _gather_states(S, D, spec.group, spec.world)
         h0 = None if initial_state is None else initial_state.to(S.dtype)
-        h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse)
-        o, _ = torch.ops.gla_inductor.chunk_fwd(*call.replace(initial_state=h, output_final_state=False).op_args())
+        h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse, traced=False)
+        o, _ = dispatch.chunk_fwd(call.replace(initial_state=h))
         ctx.spec = spec
         ctx.initial_state = None if initial_state is None else (initial_state.shape, initial_state.dtype)
         ctx.save_for_backward(q, k, v, g, g_gamma, h, gate_a, gate_bias, D_all)
@@ -323,14 +331,14 @@ class _TwoPassCP(torch.autograd.Function):
                        gate_bias=gate_bias)
         if do is None:
             do = v.new_zeros(v.shape, dtype=call.output_dtype)
-        dh_loc = _entering_grad(call, do)
+        dh_loc, _ = _final_state(call, do)
         B = h.shape[0] // len(spec.seg.own)
         if dht is None or not spec.output_final_state:
             dht = h.new_zeros(B, *h.shape[1:])
         dh_all, dht_all = _gather_grads(dh_loc, dht.to(h.dtype), spec.group, spec.world)
         # each rank's use of the final state counts: its gradient is the sum of the ranks'
         dht_seg, dh0 = _scan_back(dh_all, dht_all.sum(0), D_all, spec.seg, spec.reverse)
-        dq, dk, dv, dg, dg_gamma, _ = torch.ops.gla_inductor.chunk_bwd(*call.bwd_op_args(do, dht_seg))
+        dq, dk, dv, dg, dg_gamma, _ = dispatch.chunk_bwd(call, do, dht_seg)
         da = dbias = None
         if call.fused_gate and not call.gate.input_grad:
             dg, da, dbias = gate_grads(dg, g, call.gate, gate_a, gate_bias)
@@ -353,42 +361,16 @@ def _initial_grad(ctx, dh0: Tensor) -> Optional[Tensor]:
     return dh0.to(dtype) if ctx.spec.rank == first else dh0.new_zeros(shape, dtype=dtype)
 
 
-def _total_decay(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, dtype: torch.dtype) -> Optional[Tensor]:
-    """A segment's whole log decay as ``_decays`` gives it, without the cumulative sums: a
-    reduction over T in ``dtype``."""
-    if g is not None:
-        lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
-        D = lg.sum(1, dtype=dtype)
-        return D if g.dim() == 4 else D.unsqueeze(-1)
-    if g_gamma is not None:
-        return (T * g_gamma.to(dtype)).view(1, -1, 1)
-    return None
-
-
-def _entering_grad(call: GLACall, do: Tensor) -> Tensor:
-    """The gradient of the segments' o w.r.t. the states entering them, [n * B, H, K, V]:
-
-        scale * sum_t (q_t * exp(G_t))^T do_t    G_t = the log gates from the segment's first processed step
-                                                 through t (inclusive)
-
-    from one GLA run in the opposite direction with keys q and values do, whose final state weighs
-    step t's key by the gates strictly between it and the first processed step. Fed the gates
-    shifted by one step toward the first processed step, it weighs it by those after the first
-    step through t; exp of the first step's gate, a factor common to every t, then makes that G_t.
-    The shift is one copy of g (the step it wraps around meets only the run's zero initial state);
-    q and do are read as they are (grouped heads included)."""
-    g, g_gamma, T = call.g, call.g_gamma, call.q.shape[1]
-    shifted = None if g is None else g.roll(1 if call.reverse else -1, 1)
-    dual = call.replace(k=call.q, v=do, g=shifted, initial_state=None, scale=1.0, output_final_state=True,
-                        reverse=not call.reverse)
-    _, S = torch.ops.gla_inductor.chunk_fwd(*dual.op_args())
-    if g is not None and T > 0:
-        first = T - 1 if call.reverse else 0
-        lg = log_gate(g[:, first:first + 1], call.gate, call.gate_a, call.gate_bias, S.dtype)[:, 0]
-        S = S * (lg if lg.dim() == 3 else lg.unsqueeze(-1)).exp().unsqueeze(-1)
-    elif g_gamma is not None:
-        S = S * g_gamma.to(S.dtype).exp().view(1, -1, 1, 1)
-    return S * call.scale
+def _final_state(call: GLACall, do: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """The state a segment leaves from a zero state (do None), or the gradient of its o w.r.t. the
+    state entering it (do given: scale * sum_t (q_t * exp(G_t))^T do_t, G_t the log gates from the
+    segment's first processed step through t), from the states-only pass of ``chunk_final_state``
+    (no o, no dual outputs); and the segment's decay exp(D), [n * B, H, K] or [n * B, H, 1] to
+    broadcast against the states, None without a gate."""
+    S, D = dispatch.chunk_final_state(call, do)
+    if call.gate_kind == "none":
+        return S, None
+    return S, (D if call.gate_kind == "vector" else D.unsqueeze(-1))
 
 
 def _gather_grads(dh_loc: Tensor, dht: Tensor, group, world: int) -> tuple[Tensor, Tensor]:
@@ -403,8 +385,8 @@ def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segme
                ) -> tuple[Tensor, Tensor]:
     """The gradients of the states leaving this rank's segments ([n * B, H, K, V], in the order of
     ``seg.own``) and of the global initial state: from the final state's gradient dht,
-    lam <- dh_loc_j + exp(D_j) * lam over the global segments against processing order (the
-    transpose of ``_scan``)."""
+    lam <- dh_loc_j + a_j * lam over the global segments against processing order (the transpose of
+    ``_scan``; D_all holds the decays a_j)."""
     n = len(seg.own)
     B = dh_all.shape[1] // n
     processing = list(reversed(range(len(seg.owner)))) if reverse else list(range(len(seg.owner)))
@@ -413,7 +395,7 @@ def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segme
         leaving[j] = lam
         r, i = seg.owner[j]
         rows = slice(i * B, (i + 1) * B)
-        lam = dh_all[r, rows] + (lam if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * lam)
+        lam = dh_all[r, rows] + (lam if D_all is None else D_all[r, rows].unsqueeze(-1) * lam)
     return torch.cat([leaving[j] for j in seg.own]), lam
 
 
