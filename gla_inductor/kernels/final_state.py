@@ -30,7 +30,7 @@ def segments(programs: int, NT: int, sms: int) -> int:
     B * H * cdiv(V, BV) programs alone would leave most SMs idle at long T and few heads, the
     shapes that context parallelism runs."""
     P = 1
-    while P < 16 and 2 * P * programs <= 2 * sms and NT >= 8 * P:
+    while P < 16 and (2 * P) * programs <= 2 * sms and NT >= 4 * (2 * P):  # the doubled count fits
         P *= 2
     return P
 
