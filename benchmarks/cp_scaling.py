@@ -8,7 +8,8 @@ to see an imbalance). The communication share, two ways: ``comm_in_step``: the t
 NCCL kernels inside the step (one profiled step, the slowest rank; their waits for slower peers
 included), over the step; ``comm_alone``: the step's collectives run by themselves (the forward's
 all-gather of the packed [B, H, K, V + 1] fp32 states and decays of every rank, and the backward's
-all-gather of the [2, B, H, K, V] fp32 state gradients), over the step. ``--trace DIR`` writes each
+all-gather of the [B, H, K, V] fp32 entering-state gradients: the step asks for no final state),
+over the step. ``--trace DIR`` writes each
 rank's profiled step as a Chrome trace (DIR/cp_w{W}_rank{r}.json), where waits show as NCCL
 kernels that start before the peers' matching ones.
 
@@ -116,8 +117,8 @@ def cp_rank(rank, world, args, device) -> dict:
         gla = torch.compile(gla, fullgraph=True)
     ranks_ms = every_rank(timed(step_fn(gla, tensors), device, args.iters), device)
     # the step's collectives alone: the forward's all-gather of the packed states and decays,
-    # [B, H, K, V + 1] fp32 per rank, and the backward's of the state gradients, [2, B, H, K, V]
-    fwd, bwd = (torch.randn(n, device=device) for n in (B * H * K * (V + 1), 2 * B * H * K * V))
+    # [B, H, K, V + 1] fp32 per rank, and the backward's of the entering-state gradients, [B, H, K, V]
+    fwd, bwd = (torch.randn(n, device=device) for n in (B * H * K * (V + 1), B * H * K * V))
     fwd_all, bwd_all = (x.new_empty(world * x.numel()) for x in (fwd, bwd))
 
     def comm():

@@ -244,11 +244,12 @@ class _TwoPassCP(torch.autograd.Function):
             do = v.new_zeros(v.shape, dtype=call.output_dtype)
         dh_loc, _ = _final_state(call, do, spec.direct)
         B = h.shape[0] // len(spec.seg.own)
-        if dht is None or not spec.output_final_state:
-            dht = h.new_zeros(B, *h.shape[1:])
-        dh_all, dht_all = _gather_grads(dh_loc, dht.to(h.dtype), spec.group, spec.world)
+        if spec.output_final_state:  # every rank's call asks for it or none does
+            dht = h.new_zeros(B, *h.shape[1:]) if dht is None else dht.to(h.dtype)
+        dh_all, dht_all = _gather_grads(dh_loc, dht if spec.output_final_state else None, spec.group, spec.world)
         # each rank's use of the final state counts: its gradient is the sum of the ranks'
-        dht_seg, dh0 = _scan_back(dh_all, dht_all.sum(0), D_all, spec.seg, spec.reverse, traced=not spec.direct)
+        dht = h.new_zeros(B, *h.shape[1:]) if dht_all is None else dht_all.sum(0)
+        dht_seg, dh0 = _scan_back(dh_all, dht, D_all, spec.seg, spec.reverse, traced=not spec.direct)
         dq, dk, dv, dg, dg_gamma, _ = _chunk_bwd(call, do, dht_seg, spec.direct)
         da = dbias = None
         if call.fused_gate and not call.gate.input_grad:
@@ -308,12 +309,14 @@ def _chunk_bwd(call: GLACall, do: Tensor, dht: Tensor, direct: bool) -> tuple[Te
     return dispatch.chunk_bwd(call, do, dht)
 
 
-def _gather_grads(dh_loc: Tensor, dht: Tensor, group, world: int) -> tuple[Tensor, Tensor]:
+def _gather_grads(dh_loc: Tensor, dht: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:
     """All-gather every rank's (entering-state gradients, final-state gradient) in one buffer:
-    [world, *dh_loc.shape], [world, *dht.shape]."""
-    gathered = funcol.all_gather_tensor(torch.cat([dh_loc.flatten(), dht.flatten()]), 0, group).view(world, -1)
+    [world, *dh_loc.shape], [world, *dht.shape] (None without a final state: half the bytes)."""
+    parts = [dh_loc.flatten()] + ([] if dht is None else [dht.flatten()])
+    gathered = funcol.all_gather_tensor(torch.cat(parts), 0, group).view(world, -1)
     n = dh_loc.numel()
-    return gathered[:, :n].view(world, *dh_loc.shape), gathered[:, n:].view(world, *dht.shape)
+    dh_all = gathered[:, :n].view(world, *dh_loc.shape)
+    return dh_all, (None if dht is None else gathered[:, n:].view(world, *dht.shape))
 
 
 def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segments, reverse: bool,
