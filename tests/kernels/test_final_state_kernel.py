@@ -75,3 +75,11 @@ def test_segment_count():
     assert kernel.segments(programs=32, NT=16, sms=132) == 4  # 4 chunks each
     assert kernel.segments(programs=1, NT=10_000, sms=132) == 16
     assert kernel.segments(programs=512, NT=512, sms=132) == 1
+
+
+@pytest.mark.parametrize("dual", [False, True], ids=["state", "dual"])
+def test_head_size_128(dual):
+    """The context-parallel benchmark's head size (K = V = 128, bf16, vector gate), segments as the
+    launcher picks them: on a GPU its registers, on the CPU its shapes."""
+    t = cases.inputs("logsigmoid", B=1, T=256, H=2, G=2, K=128, V=128, dtype=torch.bfloat16)
+    _check(t, dual, segments=None, tol=2e-2)
