@@ -59,6 +59,9 @@ __all__ = ["context_parallel_gla", "chunk_fwd_over_time"]
 
 LAYOUTS = ("contiguous", "head_tail")
 
+# the all-gather without autograd: named all_gather_single from torch 2.10 on
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 Group = Union[dist.ProcessGroup, DeviceMesh, tuple, None]
 
 
@@ -111,7 +114,7 @@ def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[T
     """All-gather every rank's (S, D) (states, decays), packed into one buffer: [world, *S.shape],
     [world, *D.shape]. No autograd: the two-pass Function has its own backward."""
     parts = [S.flatten()] + ([] if D is None else [D.expand(S.shape[:2] + D.shape[2:]).flatten()])
-    gathered = funcol.all_gather_tensor(torch.cat(parts), 0, group).view(world, -1)
+    gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
     S_all = gathered[:, : S.numel()].view(world, *S.shape)
     if D is None:
         return S_all, None
@@ -313,7 +316,7 @@ def _gather_grads(dh_loc: Tensor, dht: Optional[Tensor], group, world: int) -> t
     """All-gather every rank's (entering-state gradients, final-state gradient) in one buffer:
     [world, *dh_loc.shape], [world, *dht.shape] (None without a final state: half the bytes)."""
     parts = [dh_loc.flatten()] + ([] if dht is None else [dht.flatten()])
-    gathered = funcol.all_gather_tensor(torch.cat(parts), 0, group).view(world, -1)
+    gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
     n = dh_loc.numel()
     dh_all = gathered[:, :n].view(world, *dh_loc.shape)
     return dh_all, (None if dht is None else gathered[:, n:].view(world, *dht.shape))
