@@ -144,8 +144,13 @@ def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Se
         position[j] = len(states)
         states.append(h)
         rows = slice(i * B, (i + 1) * B)
-        h = (h if D_all is None else D_all[r, rows].unsqueeze(-1) * h) + S_all[r, rows]
+        h = _step(S_all[r, rows], None if D_all is None else D_all[r, rows], h)
     return _pick(states, [position[j] for j in seg.own], traced), h
+
+
+def _step(x: Tensor, a: Optional[Tensor], h: Tensor) -> Tensor:
+    """x + a * h (a [B, H, K or 1] scales the rows of h), one kernel in eager mode."""
+    return x + h if a is None else torch.addcmul(x, a.unsqueeze(-1), h)
 
 
 def _pick(states: list[Tensor], picked: list[int], traced: bool) -> Tensor:
@@ -337,7 +342,7 @@ def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segme
         leaving.append(lam)
         r, i = seg.owner[j]
         rows = slice(i * B, (i + 1) * B)
-        lam = dh_all[r, rows] + (lam if D_all is None else D_all[r, rows].unsqueeze(-1) * lam)
+        lam = _step(dh_all[r, rows], None if D_all is None else D_all[r, rows], lam)
     return _pick(leaving, [position[j] for j in seg.own], traced), lam
 
 
