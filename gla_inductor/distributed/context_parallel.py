@@ -1,4 +1,4 @@
-"""Context parallelism for GLA: the sequence split over ranks, one all-gather of states.
+"""Context parallelism for GLA: the sequence split over ranks, one all-gather of states each way.
 
 Each rank holds a contiguous slice of the sequence (or, with ``layout="head_tail"``, the two
 segments torch's ``context_parallel`` gives it: r and 2W-1-r of 2W). GLA carries a state from
@@ -13,7 +13,8 @@ collective of W * B * H * K * (V + 1) floats) and scan them in segment order in 
 (fp32), as products of decays and states, never as differences of long sums; ``chunk_fwd`` from
 each segment's entering state gives o (the kernels apply the state themselves). The backward is
 the transpose: the dual states-only pass (reads q, do, g) gives the gradient of each segment's o
-w.r.t. its entering state; one all-gather of those and of the final state's gradients; the scan
+w.r.t. its entering state; one all-gather of those (and of the final state's gradients, where
+the call returns a final state: every rank's call must agree on output_final_state); the scan
 against processing order gives the gradient of the state leaving each segment; one ``chunk_bwd``
 from the entering state with that gradient gives every input's gradient (a segment's inputs reach
 the loss only through its o and its leaving state, so this is exact). A rank's step is chunk_gla's
