@@ -1,5 +1,5 @@
-"""One GPU, world of 1: context_parallel_gla's step against chunk_gla's, for its eager two-pass
-Function and for the traced (correction) formulation that compiled code uses.
+"""One GPU, world of 1: context_parallel_gla's step against chunk_gla's, eager (the two-pass
+Function on the ops' implementations) and compiled (the same Function traced, fullgraph).
 
     PYTHONPATH=. python benchmarks/cp_profile.py [T] [--profile]       (CUDA, NCCL world of 1)
     PYTHONPATH=. python benchmarks/cp_profile.py 256 --cpu             (gloo on CPU: checks the script)
@@ -34,16 +34,6 @@ g = (F.logsigmoid(torch.randn(B, T, H, K, device=dev)) / 16).to(dtype).requires_
 do = torch.randn_like(v)
 
 
-def correction(*a, **kw):
-    """context_parallel_gla with the two-pass Function switched off: the formulation compiled code traces."""
-    applies = cp._two_pass_applies
-    cp._two_pass_applies = lambda tensors: False
-    try:
-        return cp.context_parallel_gla(*a, **kw)
-    finally:
-        cp._two_pass_applies = applies
-
-
 def step(fn):
     o, _ = fn(q, k, v, g, output_final_state=True)
     o.backward(do)
@@ -66,8 +56,8 @@ def time_ms(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
-runs = (("chunk_gla", gla_inductor.chunk_gla), ("cp_w1_two_pass", cp.context_parallel_gla),
-        ("cp_w1_correction", correction))
+runs = (("chunk_gla", gla_inductor.chunk_gla), ("cp_w1_eager", cp.context_parallel_gla),
+        ("cp_w1_compiled", torch.compile(cp.context_parallel_gla, fullgraph=True)))
 for name, fn in runs:
     print(f"{name}: {time_ms(fn, 2 if cpu else 10):.2f} ms/step", flush=True)
     if profile:

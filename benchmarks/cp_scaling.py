@@ -3,11 +3,19 @@
 Context parallel (issue targets: 4 GPUs >= 3.5x one GPU, 2 GPUs >= 1.8x, communication <= 5% of
 the step): B=1, H=16, K=V=128, bf16, vector gate, sequence T (128k) split over W ranks. Per W, the
 step is ``context_parallel_gla`` forward + backward on each rank's T/W steps (W=1: ``chunk_gla`` on
-all T, the baseline), median over iterations, the slowest rank's. The communication share, two
-ways: ``comm_in_step``: the time of the step's NCCL kernels inside the step (one profiled step,
-the slowest rank), over the step; ``comm_alone``: the step's collectives run by themselves (one
+all T, the baseline), median over iterations, the slowest rank's (``step_ms_ranks``: every rank's,
+to see an imbalance). The communication share, two ways: ``comm_in_step``: the time of the step's
+NCCL kernels inside the step (one profiled step, the slowest rank; their waits for slower peers
+included), over the step; ``comm_alone``: the step's collectives run by themselves (the forward's
 all-gather of the packed [B, H, K, V + 1] fp32 states and decays of every rank, and the backward's
-reduce-scatter), over the step.
+all-gather of the [B, H, K, V] fp32 entering-state gradients: the step asks for no final state),
+over the step. ``--trace DIR`` writes each
+rank's profiled step as a Chrome trace (DIR/cp_w{W}_rank{r}.json), where waits show as NCCL
+kernels that start before the peers' matching ones.
+
+Timing: before each timed run the ranks meet at a barrier and synchronize their GPU; the profiled
+step does the same inside the profiler, after its start-up (which takes a different time on every
+rank: a barrier before it would leave the first rank's collectives waiting for the others' start-up).
 
 Tensor parallel (--mode tp; target: per-rank time within 1.05x of one GPU running that rank's
 heads): H heads as DTensors sharded over W ranks, ``chunk_gla`` forward + backward, against
@@ -47,6 +55,7 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="torch.compile the GLA call")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--trace", default="", help="write each rank's profiled step as a Chrome trace here")
 
 
 def timed(fn, device, iters: int, warmup: int = 3) -> float:
@@ -67,9 +76,15 @@ def timed(fn, device, iters: int, warmup: int = 3) -> float:
 
 
 def slowest(ms: float, device) -> float:
+    return max(every_rank(ms, device))
+
+
+def every_rank(ms: float, device) -> list[float]:
+    """ms of every rank, in rank order (after the timed region: the copy to the host waits)."""
     t = torch.tensor([ms], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return [x.item() for x in gathered]
 
 
 def gla_inputs(B, T, H, K, V, dtype, device, seed):
@@ -100,36 +115,42 @@ def cp_rank(rank, world, args, device) -> dict:
     gla = gla_inductor.chunk_gla if world == 1 else context_parallel_gla
     if args.compile:
         gla = torch.compile(gla, fullgraph=True)
-    step_ms = slowest(timed(step_fn(gla, tensors), device, args.iters), device)
-    # the step's collectives alone: the all-gather of the packed states and decays, [B, H, K, V + 1]
-    # in fp32 per rank, and the backward's reduce-scatter of their gradients
-    packed = torch.randn(B * H * K * (V + 1), device=device)
-    gathered = packed.new_empty(world * packed.numel())
+    ranks_ms = every_rank(timed(step_fn(gla, tensors), device, args.iters), device)
+    # the step's collectives alone: the forward's all-gather of the packed states and decays,
+    # [B, H, K, V + 1] fp32 per rank, and the backward's of the entering-state gradients, [B, H, K, V]
+    fwd, bwd = (torch.randn(n, device=device) for n in (B * H * K * (V + 1), B * H * K * V))
+    fwd_all, bwd_all = (x.new_empty(world * x.numel()) for x in (fwd, bwd))
 
     def comm():
-        dist.all_gather_into_tensor(gathered, packed)
-        dist.reduce_scatter_tensor(packed, gathered)
+        dist.all_gather_into_tensor(fwd_all, fwd)
+        dist.all_gather_into_tensor(bwd_all, bwd)
 
     comm_ms = slowest(timed(comm, device, args.iters), device) if world > 1 else 0.0
-    in_step = slowest(nccl_ms_in_step(step_fn(gla, tensors), device), device) if world > 1 else 0.0
-    return {"world": world, "T_per_rank": args.T // world, "step_ms": step_ms, "comm_alone_ms": comm_ms,
-            "comm_in_step_ms": in_step}
+    trace = os.path.join(args.trace, f"cp_w{world}_rank{rank}.json") if args.trace else ""
+    in_step = slowest(nccl_ms_in_step(step_fn(gla, tensors), device, trace), device) if world > 1 else 0.0
+    return {"world": world, "T_per_rank": args.T // world, "step_ms": max(ranks_ms),
+            "step_ms_ranks": [round(x, 3) for x in ranks_ms], "comm_alone_ms": comm_ms, "comm_in_step_ms": in_step}
 
 
-def nccl_ms_in_step(step, device) -> float:
-    """ms of the NCCL kernels of one profiled step on this rank (their waits for peers included:
-    the collectives run on the compute stream); NaN on CPU, where gloo launches no kernels."""
+def nccl_ms_in_step(step, device, trace: str = "") -> float:
+    """ms of the NCCL kernels of one profiled step on this rank (their waits for peers included);
+    NaN on CPU, where gloo launches no kernels. The ranks meet inside the profiler (see the module
+    docstring); the barrier's own all-reduce is left out (the step's collectives are all-gathers)."""
     if device.type != "cuda":
         return float("nan")
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    dist.barrier()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dist.barrier()
+        torch.cuda.synchronize()
         step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and "nccl" in e.name.lower()]
+    if trace:
+        os.makedirs(os.path.dirname(trace), exist_ok=True)
+        prof.export_chrome_trace(trace)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and "nccl" in e.name.lower()
+               and "allreduce" not in e.name.lower()]
     return sum(e.device_time_total for e in kernels) / 1e3
 
 

@@ -1,4 +1,4 @@
-"""Context parallelism for GLA: the sequence split over ranks, one all-gather of states.
+"""Context parallelism for GLA: the sequence split over ranks, one all-gather of states each way.
 
 Each rank holds a contiguous slice of the sequence (or, with ``layout="head_tail"``, the two
 segments torch's ``context_parallel`` gives it: r and 2W-1-r of 2W). GLA carries a state from
@@ -6,32 +6,27 @@ one segment to the next through a diagonal per-key decay: for segment s, run fro
 
     S_out = exp(D_s) * S_in + S_s         D_s = sum of the log gates over s ([B, H, K], or per head)
 
-so each rank runs ``chunk_gla`` on its segments from zero (o_s and S_s in one call), all ranks
-all-gather every segment's (S_s, D_s) (one collective of W * B * H * K * (V + 1) floats), and
-each rank scans them in segment order in the states' dtype (fp32) as products of exp(D) and
-states, never as differences of long sums. GLA is linear in its initial state, so the state h_s
-entering segment s adds to the segment's outputs what a run from h_s adds to the run from zero:
+so each rank needs the states of the segments before its own, not their outputs. In two passes
+(``_TwoPassCP``): a states-only pass (``chunk_final_state``: reads k, v, g, writes no o) gives each
+segment's S_s and decay exp(D_s) from a zero state; all ranks all-gather every segment's pair (one
+collective of W * B * H * K * (V + 1) floats) and scan them in segment order in the states' dtype
+(fp32), as products of decays and states, never as differences of long sums; ``chunk_fwd`` from
+each segment's entering state gives o (the kernels apply the state themselves). The backward is
+the transpose: the dual states-only pass (reads q, do, g) gives the gradient of each segment's o
+w.r.t. its entering state; one all-gather of those (and of the final state's gradients, where
+the call returns a final state: every rank's call must agree on output_final_state); the scan
+against processing order gives the gradient of the state leaving each segment; one ``chunk_bwd``
+from the entering state with that gradient gives every input's gradient (a segment's inputs reach
+the loss only through its o and its leaving state, so this is exact). A rank's step is chunk_gla's
+forward and backward on its segments plus two passes that each read three of its [T, K]-sized
+inputs once; nothing elementwise over [T, K] besides.
 
-    o_t += scale * (q_t * exp(G_t)) @ h_s   G_t = the log gates from the segment start through t
-
-a [T, K] x [K, V] product per head instead of a second ``chunk_gla`` over the segment (whose
-backward would cost a second ``chunk_bwd`` too). G_t is a cumulative sum within the segment: for
-log gates <= 0 it decreases monotonically, without cancellation, and where it is large exp(G_t)
-is negligible anyway.
-
-The all-gather is a functional collective with autograd (its backward a reduce-scatter), so
-gradients reach earlier ranks' states and decays through ordinary autograd, and the function
-traces into one graph under ``torch.compile(fullgraph=True)``, the same graph on every rank
-(NOTE:[CP uniform graph]). Every rank must run the backward, as with any collective.
-
-That formulation is what compiled code runs: Inductor fuses its elementwise ops. Eager calls, whose
-elementwise ops and their autograd would each be a pass over [B, T, H, K] in fp32, run the
-textbook two passes instead (``_TwoPassCP``): the segments' final states and decays from zero, the
-all-gather and scan, then ``chunk_gla`` from each segment's entering state; the backward gets the
-gradient of each segment's o w.r.t. its entering state from one run in the opposite direction,
-all-gathers those, scans them against processing order into the gradient of the state leaving
-each segment, and runs one ``chunk_bwd`` per rank from the entering state with that gradient.
-Both give the same values and gradients under the convention below.
+Eager calls on plain tensors run the Function with the ops' implementations called directly
+(``dispatch``, no torch.library wrappers). Compiled code traces the same Function into one graph
+under ``torch.compile(fullgraph=True)`` (Dynamo traces its forward and backward): the ops stay ops
+(Inductor calls them as extern kernels), the all-gathers are functional collectives, and every
+rank traces the same graph (NOTE:[CP uniform graph]). Every rank must run the backward, as with
+any collective.
 
 Gradient convention for local tensors: the loss is the sum of the ranks' losses. A tensor given to
 every rank (initial_state, g_gamma, gate_a, gate_bias) receives on each rank that rank's share of
@@ -56,17 +51,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..contract import GLACall, validate_gate, validate_inputs
-from ..ops import chunk_gla
+from ..ops import chunk_gla, dispatch
 from ..ops.chunk import _eager_fast_path
-from ..gates import GateFn, check_gate_name, gate_grads, log_gate
+from ..gates import GateFn, check_gate_name, gate_grads
 from . import tensor_parallel as tp
 
 __all__ = ["context_parallel_gla", "chunk_fwd_over_time"]
 
 LAYOUTS = ("contiguous", "head_tail")
 
-# the autograd all-gather: named all_gather_single_autograd from torch 2.10 on
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+# the all-gather without autograd: named all_gather_single from torch 2.10 on
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 Group = Union[dist.ProcessGroup, DeviceMesh, tuple, None]
 
@@ -116,51 +111,9 @@ def _merge(x: Tensor, n: int) -> Tensor:
     return x.unflatten(0, (n, -1)).transpose(0, 1).flatten(1, 2)
 
 
-# Steps per block of the two-level time cumsum (``_time_cumsum``).
-_SCAN_BLOCK = 256
-
-
-def _time_cumsum(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x.cumsum(1, dtype=dtype)`` in two levels: within blocks of ``_SCAN_BLOCK`` steps, then over
-    the blocks' totals. A scan over a dim that is not the innermost runs one thread per inner
-    element serially along all of T: with B * H * K threads and T in the ten thousands it is bound
-    by memory latency, slower than the whole chunk_gla step; blocks give T / _SCAN_BLOCK times the
-    parallelism. The carry is an exclusive sum of the totals (no difference of sums), so for log
-    gates every partial sum stays a sum of terms of one sign."""
-    T = x.shape[1]
-    if T <= 2 * _SCAN_BLOCK:
-        return x.cumsum(1, dtype=dtype)
-    n = -(-T // _SCAN_BLOCK)
-    xs = x.to(dtype)
-    if n * _SCAN_BLOCK != T:
-        xs = torch.cat([xs, xs.new_zeros(xs.shape[0], n * _SCAN_BLOCK - T, *xs.shape[2:])], 1)
-    within = xs.unflatten(1, (n, _SCAN_BLOCK)).cumsum(2)
-    totals = within[:, :-1, -1]
-    carry = torch.cat([torch.zeros_like(within[:, :1, -1]), totals], 1).cumsum(1)
-    return (within + carry.unsqueeze(2)).flatten(1, 2)[:, :T]
-
-
-def _decays(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, reverse: bool, dtype: torch.dtype
-            ) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """A segment's whole log decay D ([B, H, K] for a vector gate, [B or 1, H, 1] otherwise, to
-    broadcast against [B, H, K, V] states) and exp(G_t), G_t the log gates from the segment's first
-    processed step through t ([B, T, H, K], [B, T, H] or [1, T, H]); (None, None) without a gate.
-    Sums accumulate in ``dtype`` (the states'), read from g as it is where no gate function applies."""
-    if g is not None:
-        lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
-        D = lg.sum(1, dtype=dtype)
-        G = _time_cumsum(lg.flip(1), dtype).flip(1) if reverse else _time_cumsum(lg, dtype)
-        return (D if g.dim() == 4 else D.unsqueeze(-1)), G.exp()
-    if g_gamma is not None:
-        gamma = g_gamma.to(dtype)
-        steps = torch.arange(1, T + 1, device=gamma.device, dtype=dtype)  # steps processed through t
-        steps = steps.flip(0) if reverse else steps
-        return (T * gamma).view(1, -1, 1), (steps[:, None] * gamma).exp().unsqueeze(0)
-    return None, None
-
-
 def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:
-    """All-gather every rank's (S, D), packed into one buffer: [world, *S.shape], [world, *D.shape]."""
+    """All-gather every rank's (S, D) (states, decays), packed into one buffer: [world, *S.shape],
+    [world, *D.shape]. No autograd: the two-pass Function has its own backward."""
     parts = [S.flatten()] + ([] if D is None else [D.expand(S.shape[:2] + D.shape[2:]).flatten()])
     gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
     S_all = gathered[:, : S.numel()].view(world, *S.shape)
@@ -169,19 +122,19 @@ def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[T
     return S_all, gathered[:, S.numel():].view(world, *S.shape[:2], *D.shape[2:])
 
 
-def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Segments, reverse: bool
-          ) -> tuple[Tensor, Tensor]:
+def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Segments, reverse: bool,
+          traced: bool = True) -> tuple[Tensor, Tensor]:
     """The states entering this rank's segments, stacked along the batch ([n * B, H, K, V], in the
-    order of ``seg.own``), and the final state: h <- exp(D_j) * h + S_j over the global segments in
-    processing order, from h0 (or zeros).
+    order of ``seg.own``), and the final state: h <- a_j * h + S_j over the global segments in
+    processing order, from h0 (or zeros); a_j = D_all[j], segment j's decay exp(D_j) (None: 1).
 
-    NOTE:[CP uniform graph] Every rank computes every entering state and picks its own through an
-    index tensor, rather than taking a Python-chosen one: so every rank traces the same graph (only
-    the index differs), and on every rank the gradient of the gathered states depends on the
-    gradient of its o. Were the first rank's o independent of the gather (its entering state is
-    h0), its share of the all-gather's backward would be a constant zero, which AOTAutograd's
-    partitioner computes in the forward graph: that rank would run the reduce-scatter during the
-    forward while the others run it in the backward, and the collectives would not pair up.
+    NOTE:[CP uniform graph] Where traced, every rank computes every entering state and picks its
+    own through an index tensor, rather than taking a Python-chosen one: so every rank traces the
+    same graph (only the index, a constant, differs) and its collectives pair up with the other
+    ranks' by construction, whatever AOTAutograd's partitioner and Inductor then do with the graph.
+    Eager calls (``traced=False``) pick the states in Python: there the index tensor would be a
+    host-to-device copy, which waits for the stream (the all-gather included, so for the slowest
+    rank) before the host may launch the rest of the forward.
     """
     n = len(seg.own)
     B = S_all.shape[1] // n
@@ -192,18 +145,22 @@ def _scan(S_all: Tensor, D_all: Optional[Tensor], h0: Optional[Tensor], seg: _Se
         position[j] = len(states)
         states.append(h)
         rows = slice(i * B, (i + 1) * B)
-        h = (h if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * h) + S_all[r, rows]
-    index = torch.tensor([position[j] for j in seg.own], device=h.device)
-    return torch.stack(states).index_select(0, index).flatten(0, 1), h
+        h = _step(S_all[r, rows], None if D_all is None else D_all[r, rows], h)
+    return _pick(states, [position[j] for j in seg.own], traced), h
 
 
-def _entering_term(q: Tensor, e: Optional[Tensor], h: Tensor, scale: float, H: int, dtype: torch.dtype) -> Tensor:
-    """scale * (q_t * exp(G_t)) @ h for every step, [B, T, H, V], multiplied in ``dtype``."""
-    if q.shape[2] != H:  # grouped heads: head j reads q head j // (H // G)
-        q = q.repeat_interleave(H // q.shape[2], dim=2)
-    if e is not None:
-        q = q * (e if e.dim() == 4 else e.unsqueeze(-1))  # in e's dtype, the states'
-    return torch.einsum("bthk,bhkv->bthv", q.to(dtype), (h * scale).to(dtype))
+def _step(x: Tensor, a: Optional[Tensor], h: Tensor) -> Tensor:
+    """x + a * h (a [B, H, K or 1] scales the rows of h), one kernel in eager mode."""
+    return x + h if a is None else torch.addcmul(x, a.unsqueeze(-1), h)
+
+
+def _pick(states: list[Tensor], picked: list[int], traced: bool) -> Tensor:
+    """states[i] for i in picked, concatenated along the batch: through an index tensor where
+    traced (NOTE:[CP uniform graph]), else in Python."""
+    if not traced:
+        return torch.cat([states[i] for i in picked])
+    index = torch.tensor(picked, device=states[0].device)
+    return torch.stack(states).index_select(0, index).flatten(0, 1)
 
 
 def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, gate_bias=None, *, scale: float,
@@ -211,52 +168,22 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
     group, rank, world = _group_info(group)
     seg = _Segments.of(layout, rank, world)
     n = len(seg.own)
-    if _two_pass_applies((q, k, v, g, g_gamma, initial_state, gate_a, gate_bias)):
-        # the ops trust their callers: the checks chunk_gla makes on the other path
-        validate_inputs(q, k, v, g, g_gamma, initial_state, api="context_parallel_gla", grouped=True)
-        validate_gate(fn, q, g, gate_a, gate_bias, api="context_parallel_gla")
-        spec = _Spec(scale, fn, reverse, output_final_state, group, rank, world, seg)
-        q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
-        o, ht = _TwoPassCP.apply(spec, q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias)
-        return _merge(o, n), (ht if output_final_state else None)
+    # the ops trust their callers: the checks chunk_gla makes
+    validate_inputs(q, k, v, g, g_gamma, initial_state, api="context_parallel_gla", grouped=True)
+    validate_gate(fn, q, g, gate_a, gate_bias, api="context_parallel_gla")
+    direct = _direct_calls((q, k, v, g, g_gamma, initial_state, gate_a, gate_bias))
+    spec = _Spec(scale, fn, reverse, output_final_state, group, rank, world, seg, direct)
     q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
-    return _correction_cp(q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias, scale=scale, fn=fn,
-                          output_final_state=output_final_state, reverse=reverse, group=group, world=world,
-                          seg=seg)
-
-
-def _correction_cp(q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias, *, scale: float, fn: GateFn,
-                   output_final_state: bool, reverse: bool, group, world: int, seg: _Segments):
-    """The formulation traced under torch.compile: one chunk_gla from zero per segment, the entering
-    states' term added with elementwise ops (which Inductor fuses), gradients through autograd."""
-    n = len(seg.own)
-    o, S = chunk_gla(
-        q_, k_, v_, g_, g_gamma=g_gamma, scale=scale, output_final_state=True, reverse=reverse,
-        gate_fn=fn.name or None, gate_scale=fn.scale, gate_lo=fn.lo, gate_hi=fn.hi, gate_a=gate_a,
-        gate_bias=gate_bias)
-    D, e = _decays(g_, g_gamma, fn, gate_a, gate_bias, q_.shape[1], reverse, S.dtype)
-    S_all, D_all = _gather_states(S, D, group, world)
-    h0 = None if initial_state is None else initial_state.to(S.dtype)
-    entering, ht = _scan(S_all, D_all, h0, seg, reverse)
-    o = _with_entering(o, q_, e, entering, scale)
+    o, ht = _TwoPassCP.apply(spec, q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias)
     return _merge(o, n), (ht if output_final_state else None)
 
 
-def _with_entering(o: Tensor, q: Tensor, e: Optional[Tensor], h: Tensor, scale: float) -> Tensor:
-    """o plus the term of the states h entering the segments."""
-    # fp16 / bf16 multiply in their own dtype (fp32 accumulation), as the chunk kernels read the
-    # states (their h tiles cast to the inputs' dtype); fp32 and fp64 in the states' dtype
-    dtype = o.dtype if o.dtype in (torch.float16, torch.bfloat16) else h.dtype
-    term = _entering_term(q, e, h, scale, o.shape[2], dtype)
-    return (o.to(dtype) + term).to(o.dtype)
-
-
 # ----------------------------------------------------------------------------------------------
-# eager calls: the two-pass formulation
+# the two-pass Function
 # ----------------------------------------------------------------------------------------------
 
-# How often the eager two-pass Function ran its forward and its backward (tests read it to see
-# which formulation ran).
+# How often the two-pass Function ran its forward and its backward on the ops' implementations
+# (eager calls; compiled code runs its traced graphs instead; tests read it to see which ran).
 two_pass_calls: Counter = Counter()
 
 
@@ -272,46 +199,47 @@ class _Spec:
     rank: int
     world: int
     seg: _Segments
+    direct: bool  # call the ops' implementations, not the ops (``_direct_calls``)
 
 
-def _two_pass_applies(tensors) -> bool:
-    """Eager calls on plain tensors run ``_TwoPassCP``. Compiled code (and tracing under a dispatch
-    or function mode, fake or wrapped tensors) keeps the correction formulation: it traces into one
-    graph with functional collectives, and Inductor fuses its elementwise ops."""
+def _direct_calls(tensors) -> bool:
+    """Whether the Function calls the ops' implementations directly (``dispatch``): eager calls on
+    plain tensors, as ``chunk_gla``'s fast path. Compiled code, and tracing under a dispatch or
+    function mode (fake or wrapped tensors), calls the ops, which trace as single nodes."""
     return _eager_fast_path(tensors)
 
 
 class _TwoPassCP(torch.autograd.Function):
     """Context parallel GLA in two passes of the chunk kernels, with no elementwise work over [T, K].
 
-    forward: each segment's final state from zero and its total log decay; one all-gather; the scan
-    gives the state entering each segment; ``chunk_fwd`` from that state gives o (the kernel applies
-    the state itself).
-    backward: the gradient of each segment's o w.r.t. its entering state (one ``chunk_fwd`` in the
-    opposite direction on q, do and the gates shifted by a step, ``_entering_grad``); one all-gather
-    of those and of the final state's gradients; the scan against processing order gives the
-    gradient of the state leaving each segment; ``chunk_bwd`` from the entering state with that
-    gradient gives every input's gradient (a segment's inputs reach the loss only through its o and
-    its leaving state, so this is exact).
+    forward: each segment's final state from zero and its decay (the states-only pass,
+    ``_final_state``); one all-gather; the scan gives the state entering each segment; ``chunk_fwd``
+    from that state gives o (the kernel applies the state itself).
+    backward: the gradient of each segment's o w.r.t. its entering state (the dual states-only
+    pass on q, do and the gates); one all-gather of those and of the final state's gradients; the
+    scan against processing order gives the gradient of the state leaving each segment;
+    ``chunk_bwd`` from the entering state with that gradient gives every input's gradient (a
+    segment's inputs reach the loss only through its o and its leaving state, so this is exact).
+    Dynamo traces both (fullgraph); the backward's all-gather stays in the backward graph.
     """
 
     @staticmethod
     def forward(ctx, spec: _Spec, q, k, v, g, g_gamma, initial_state, gate_a, gate_bias):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
-        call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, output_final_state=True, reverse=spec.reverse,
-                       gate=spec.fn, gate_a=gate_a, gate_bias=gate_bias)
-        _, S = torch.ops.gla_inductor.chunk_fwd(*call.op_args())  # o from zero is not needed
-        D = _total_decay(g, g_gamma, spec.fn, gate_a, gate_bias, q.shape[1], S.dtype)
+        call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, reverse=spec.reverse, gate=spec.fn,
+                       gate_a=gate_a, gate_bias=gate_bias)
+        S, D = _final_state(call, direct=spec.direct)
         S_all, D_all = _gather_states(S, D, spec.group, spec.world)
         h0 = None if initial_state is None else initial_state.to(S.dtype)
-        h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse)
-        o, _ = torch.ops.gla_inductor.chunk_fwd(*call.replace(initial_state=h, output_final_state=False).op_args())
+        h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse, traced=not spec.direct)
+        o = _chunk_fwd(call.replace(initial_state=h), spec.direct)
         ctx.spec = spec
         ctx.initial_state = None if initial_state is None else (initial_state.shape, initial_state.dtype)
         ctx.save_for_backward(q, k, v, g, g_gamma, h, gate_a, gate_bias, D_all)
         if not spec.output_final_state:
             ctx.mark_non_differentiable(ht)
-        two_pass_calls["forward"] += 1
+        if spec.direct:
+            two_pass_calls["forward"] += 1
         return o, ht
 
     @staticmethod
@@ -323,14 +251,15 @@ class _TwoPassCP(torch.autograd.Function):
                        gate_bias=gate_bias)
         if do is None:
             do = v.new_zeros(v.shape, dtype=call.output_dtype)
-        dh_loc = _entering_grad(call, do)
+        dh_loc, _ = _final_state(call, do, spec.direct)
         B = h.shape[0] // len(spec.seg.own)
-        if dht is None or not spec.output_final_state:
-            dht = h.new_zeros(B, *h.shape[1:])
-        dh_all, dht_all = _gather_grads(dh_loc, dht.to(h.dtype), spec.group, spec.world)
+        if spec.output_final_state:  # every rank's call asks for it or none does
+            dht = h.new_zeros(B, *h.shape[1:]) if dht is None else dht.to(h.dtype)
+        dh_all, dht_all = _gather_grads(dh_loc, dht if spec.output_final_state else None, spec.group, spec.world)
         # each rank's use of the final state counts: its gradient is the sum of the ranks'
-        dht_seg, dh0 = _scan_back(dh_all, dht_all.sum(0), D_all, spec.seg, spec.reverse)
-        dq, dk, dv, dg, dg_gamma, _ = torch.ops.gla_inductor.chunk_bwd(*call.bwd_op_args(do, dht_seg))
+        dht = h.new_zeros(B, *h.shape[1:]) if dht_all is None else dht_all.sum(0)
+        dht_seg, dh0 = _scan_back(dh_all, dht, D_all, spec.seg, spec.reverse, traced=not spec.direct)
+        dq, dk, dv, dg, dg_gamma, _ = _chunk_bwd(call, do, dht_seg, spec.direct)
         da = dbias = None
         if call.fused_gate and not call.gate.input_grad:
             dg, da, dbias = gate_grads(dg, g, call.gate, gate_a, gate_bias)
@@ -338,83 +267,84 @@ class _TwoPassCP(torch.autograd.Function):
             dbias = None if dbias is None else dbias.to(gate_bias.dtype)
         dg = None if g is None else dg.to(g.dtype)
         dg_gamma = None if g_gamma is None else dg_gamma
-        two_pass_calls["backward"] += 1
+        if spec.direct:
+            two_pass_calls["backward"] += 1
         return None, dq, dk, dv, dg, dg_gamma, _initial_grad(ctx, dh0), da, dbias
 
 
 def _initial_grad(ctx, dh0: Tensor) -> Optional[Tensor]:
     """The global initial state's gradient: all of it on the rank whose segment runs first, zeros on
-    the others (each rank returns its share; the shares sum to the gradient)."""
+    the others (each rank returns its share; the shares sum to the gradient). Traced, a product
+    with 1 or 0, so that every rank's graph is the same (NOTE:[CP uniform graph])."""
     if ctx.initial_state is None:
         return None
     shape, dtype = ctx.initial_state
-    seg = ctx.spec.seg
-    first = seg.owner[-1 if ctx.spec.reverse else 0][0]
-    return dh0.to(dtype) if ctx.spec.rank == first else dh0.new_zeros(shape, dtype=dtype)
+    spec = ctx.spec
+    first = spec.rank == spec.seg.owner[-1 if spec.reverse else 0][0]
+    if not spec.direct:
+        return (dh0 * float(first)).to(dtype)
+    return dh0.to(dtype) if first else dh0.new_zeros(shape, dtype=dtype)
 
 
-def _total_decay(g, g_gamma, fn: GateFn, gate_a, gate_bias, T: int, dtype: torch.dtype) -> Optional[Tensor]:
-    """A segment's whole log decay as ``_decays`` gives it, without the cumulative sums: a
-    reduction over T in ``dtype``."""
-    if g is not None:
-        lg = log_gate(g, fn, gate_a, gate_bias, dtype) if fn.name else g
-        D = lg.sum(1, dtype=dtype)
-        return D if g.dim() == 4 else D.unsqueeze(-1)
-    if g_gamma is not None:
-        return (T * g_gamma.to(dtype)).view(1, -1, 1)
-    return None
+def _final_state(call: GLACall, do: Optional[Tensor] = None, direct: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """The state a segment leaves from a zero state (do None), or the gradient of its o w.r.t. the
+    state entering it (do given: scale * sum_t (q_t * exp(G_t))^T do_t, G_t the log gates from the
+    segment's first processed step through t), from the states-only pass of ``chunk_final_state``
+    (no o, no dual outputs); and the segment's decay exp(D), [n * B, H, K] or [n * B, H, 1] to
+    broadcast against the states, None without a gate. Through the op unless ``direct``."""
+    if not direct:
+        fn = call.gate
+        S, D = torch.ops.gla_inductor.chunk_final_state(call.q, call.k, call.v, call.g, call.g_gamma, do, call.scale,
+                                                        call.reverse, fn.name, fn.scale, fn.lo, fn.hi, call.gate_a,
+                                                        call.gate_bias)
+    else:
+        S, D = dispatch.chunk_final_state(call, do)
+    if call.gate_kind == "none":
+        return S, None
+    return S, (D if call.gate_kind == "vector" else D.unsqueeze(-1))
 
 
-def _entering_grad(call: GLACall, do: Tensor) -> Tensor:
-    """The gradient of the segments' o w.r.t. the states entering them, [n * B, H, K, V]:
-
-        scale * sum_t (q_t * exp(G_t))^T do_t    G_t = the log gates from the segment's first processed step
-                                                 through t (inclusive)
-
-    from one GLA run in the opposite direction with keys q and values do, whose final state weighs
-    step t's key by the gates strictly between it and the first processed step. Fed the gates
-    shifted by one step toward the first processed step, it weighs it by those after the first
-    step through t; exp of the first step's gate, a factor common to every t, then makes that G_t.
-    The shift is one copy of g (the step it wraps around meets only the run's zero initial state);
-    q and do are read as they are (grouped heads included)."""
-    g, g_gamma, T = call.g, call.g_gamma, call.q.shape[1]
-    shifted = None if g is None else g.roll(1 if call.reverse else -1, 1)
-    dual = call.replace(k=call.q, v=do, g=shifted, initial_state=None, scale=1.0, output_final_state=True,
-                        reverse=not call.reverse)
-    _, S = torch.ops.gla_inductor.chunk_fwd(*dual.op_args())
-    if g is not None and T > 0:
-        first = T - 1 if call.reverse else 0
-        lg = log_gate(g[:, first:first + 1], call.gate, call.gate_a, call.gate_bias, S.dtype)[:, 0]
-        S = S * (lg if lg.dim() == 3 else lg.unsqueeze(-1)).exp().unsqueeze(-1)
-    elif g_gamma is not None:
-        S = S * g_gamma.to(S.dtype).exp().view(1, -1, 1, 1)
-    return S * call.scale
+def _chunk_fwd(call: GLACall, direct: bool) -> Tensor:
+    """o of chunk_fwd: through the op, or (``direct``) its implementation."""
+    if not direct:
+        return torch.ops.gla_inductor.chunk_fwd(*call.op_args())[0]
+    return dispatch.chunk_fwd(call)[0]
 
 
-def _gather_grads(dh_loc: Tensor, dht: Tensor, group, world: int) -> tuple[Tensor, Tensor]:
+def _chunk_bwd(call: GLACall, do: Tensor, dht: Tensor, direct: bool) -> tuple[Tensor, ...]:
+    """chunk_bwd: through the op, or (``direct``) its implementation."""
+    if not direct:
+        return torch.ops.gla_inductor.chunk_bwd(*call.bwd_op_args(do, dht))
+    return dispatch.chunk_bwd(call, do, dht)
+
+
+def _gather_grads(dh_loc: Tensor, dht: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:
     """All-gather every rank's (entering-state gradients, final-state gradient) in one buffer:
-    [world, *dh_loc.shape], [world, *dht.shape]."""
-    gathered = _all_gather(torch.cat([dh_loc.flatten(), dht.flatten()]), 0, group).view(world, -1)
+    [world, *dh_loc.shape], [world, *dht.shape] (None without a final state: half the bytes)."""
+    parts = [dh_loc.flatten()] + ([] if dht is None else [dht.flatten()])
+    gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
     n = dh_loc.numel()
-    return gathered[:, :n].view(world, *dh_loc.shape), gathered[:, n:].view(world, *dht.shape)
+    dh_all = gathered[:, :n].view(world, *dh_loc.shape)
+    return dh_all, (None if dht is None else gathered[:, n:].view(world, *dht.shape))
 
 
-def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segments, reverse: bool
-               ) -> tuple[Tensor, Tensor]:
+def _scan_back(dh_all: Tensor, dht: Tensor, D_all: Optional[Tensor], seg: _Segments, reverse: bool,
+               traced: bool = True) -> tuple[Tensor, Tensor]:
     """The gradients of the states leaving this rank's segments ([n * B, H, K, V], in the order of
     ``seg.own``) and of the global initial state: from the final state's gradient dht,
-    lam <- dh_loc_j + exp(D_j) * lam over the global segments against processing order (the
-    transpose of ``_scan``)."""
+    lam <- dh_loc_j + a_j * lam over the global segments against processing order (the transpose of
+    ``_scan``; D_all holds the decays a_j)."""
     n = len(seg.own)
     B = dh_all.shape[1] // n
     processing = list(reversed(range(len(seg.owner)))) if reverse else list(range(len(seg.owner)))
-    lam, leaving = dht, {}
+    lam, leaving, position = dht, [], {}
     for j in reversed(processing):
-        leaving[j] = lam
+        position[j] = len(leaving)
+        leaving.append(lam)
         r, i = seg.owner[j]
         rows = slice(i * B, (i + 1) * B)
-        lam = dh_all[r, rows] + (lam if D_all is None else D_all[r, rows].exp().unsqueeze(-1) * lam)
-    return torch.cat([leaving[j] for j in seg.own]), lam
+        lam = _step(dh_all[r, rows], None if D_all is None else D_all[r, rows], lam)
+    return _pick(leaving, [position[j] for j in seg.own], traced), lam
 
 
 _SEQ = ("q", "k", "v", "g")

@@ -7,8 +7,9 @@ run the C++ step loop where it applies (``impl.step_loop``), else the chunked Py
 (``impl.chunked``), which is also every CUDA call's fallback. ``fused_recurrent`` (the decode op)
 runs the recurrent kernel on CUDA and a PyTorch time loop on CPU, on a state or, with state
 indices, on the slots of a state pool. ``chunk_fwd_states`` (the forward with prefix states) runs
-the forward scan on CUDA, elsewhere the forward block by block (``impl.prefix_states``). Every
-fallback's reason is logged once.
+the forward scan on CUDA, elsewhere the forward block by block (``impl.prefix_states``).
+``chunk_final_state`` (a run's final state, or the dual's, without outputs) runs the segment sums
+kernel on CUDA, elsewhere ``impl.final_state``. Every fallback's reason is logged once.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from torch import Tensor
 from .. import config
 from ..contract import GLACall
 from ..gates import gate_grads
-from ..impl import chunked, prefix_states, recurrent, step_loop
+from ..impl import chunked, final_state, prefix_states, recurrent, step_loop
 from ..kernels import chunk as chunk_kernels
+from ..kernels import final_state as final_state_kernels
 from ..kernels import recurrent as recurrent_kernels
 
-__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_fwd", "chunk_fwd_gpu", "chunk_fwd_states",
-           "chunk_fwd_states_gpu", "chunk_unsupported_reason",
+__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_final_state", "chunk_final_state_gpu",
+           "chunk_fwd", "chunk_fwd_gpu", "chunk_fwd_states", "chunk_fwd_states_gpu", "chunk_unsupported_reason",
            "fused_recurrent", "fused_recurrent_gpu", "recurrent_unsupported_reason", "routes_to_recurrent"]
 
 log = logging.getLogger("gla_inductor")
@@ -156,6 +158,22 @@ def _chunk_bwd_torch(call: GLACall, do: Tensor, dht: Optional[Tensor], cpu: bool
         dx = gate_grads(grads[3], call.g, call.gate, call.gate_a, call.gate_bias)[0].to(call.g.dtype)
         grads = (*grads[:3], dx, *grads[4:])
     return grads
+
+
+def chunk_final_state(call: GLACall, do: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(state, decay): the contract of the ``chunk_final_state`` op (``impl.final_state``)."""
+    if call.q.is_cuda:
+        return chunk_final_state_gpu(call, do)
+    return final_state.final_state(call.with_log_gate(), do)
+
+
+def chunk_final_state_gpu(call: GLACall, do: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """chunk_final_state's GPU route (CPU tensors take it too under TRITON_INTERPRET=1, for tests)."""
+    reason = chunk_unsupported_reason(call)
+    if reason is None:
+        return final_state_kernels.final_state(call, do)
+    _note_fallback(reason)
+    return final_state.final_state(call.with_log_gate(), do)
 
 
 # ----------------------------------------------------------------------------------------------

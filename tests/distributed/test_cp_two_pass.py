@@ -1,6 +1,6 @@
 """The pieces of the eager two-pass context-parallel Function, without a process group, in float64:
-the entering state's gradient from one reverse run, and the backward scan as the transpose of the
-forward scan."""
+the entering state's gradient and the leaving state from the states-only passes, and the backward
+scan as the transpose of the forward scan."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gla_inductor
 from gla_inductor.contract import GLACall
-from gla_inductor.distributed.context_parallel import _Segments, _entering_grad, _scan, _scan_back
+from gla_inductor.distributed.context_parallel import _final_state, _Segments, _scan, _scan_back
 from gla_inductor.gates import GateFn, log_gate
 
 B, T, H, G, K, V = 2, 37, 4, 2, 8, 6
@@ -46,15 +46,16 @@ def _log_gates(t: dict, fn: GateFn) -> torch.Tensor:
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("gate", ["vector", "scalar", "gamma", "none", "softplus"])
-def test_entering_grad(gate, reverse):
-    """scale * sum_t (q_t exp(G_t))^T do_t with G_t inclusive, which is also autograd's gradient of
-    chunk_gla's o w.r.t. its initial state."""
+def test_states_only_passes(gate, reverse):
+    """The dual pass: scale * sum_t (q_t exp(G_t))^T do_t with G_t inclusive, which is also autograd's
+    gradient of chunk_gla's o w.r.t. its initial state; the forward pass: chunk_gla's final state
+    from zero; both: the decay exp(sum of the log gates), shaped to broadcast against the states."""
     t, fn = _inputs(gate)
     do = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     scale = 0.3
     call = GLACall(t["q"], t["k"], t["v"], t.get("g"), t.get("g_gamma"), t["initial_state"], scale=scale,
                    reverse=reverse, gate=fn, gate_a=t.get("gate_a"), gate_bias=t.get("gate_bias"))
-    got = _entering_grad(call, do)
+    got, decay = _final_state(call, do)
 
     lg = _log_gates(t, fn)
     G_incl = lg.flip(1).cumsum(1).flip(1) if reverse else lg.cumsum(1)
@@ -69,6 +70,18 @@ def test_entering_grad(gate, reverse):
     (autograd,) = torch.autograd.grad((o * do).sum(), h0)
     assert (got - autograd).abs().max() <= 1e-10 * autograd.abs().max()
 
+    leaving, decay_fwd = _final_state(call)
+    _, ht = gla_inductor.chunk_gla(t["q"], t["k"], t["v"], scale=scale, reverse=reverse, output_final_state=True,
+                                   **kwargs)
+    assert (leaving - ht).abs().max() <= 1e-10 * ht.abs().max()
+    if gate == "none":
+        assert decay is None and decay_fwd is None
+        return
+    D = lg.sum(1).exp()  # [B, H, K]: every gate kind broadcast over K above
+    for d in (decay, decay_fwd):
+        d = d.expand(B, H, K)
+        assert torch.allclose(d, D, rtol=1e-12, atol=0)
+
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
@@ -81,8 +94,8 @@ def test_scan_back_is_the_scans_transpose(layout, reverse, decay):
     n = 1 if layout == "contiguous" else 2
     gen = torch.Generator().manual_seed(2)
     S_all = torch.randn(world, n * B, H, K, V, generator=gen, dtype=torch.float64, requires_grad=True)
-    D_all = {"vector": -torch.rand(world, n * B, H, K, generator=gen, dtype=torch.float64),
-             "per_head": -torch.rand(world, n * B, H, 1, generator=gen, dtype=torch.float64),
+    D_all = {"vector": torch.rand(world, n * B, H, K, generator=gen, dtype=torch.float64),
+             "per_head": torch.rand(world, n * B, H, 1, generator=gen, dtype=torch.float64),
              "none": None}[decay]
     h0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64, requires_grad=True)
     c = torch.randn(world, n * B, H, K, V, generator=gen, dtype=torch.float64)
@@ -91,6 +104,8 @@ def test_scan_back_is_the_scans_transpose(layout, reverse, decay):
     loss = 0
     for rank in range(world):
         entering, ht = _scan(S_all, D_all, h0, _Segments.of(layout, rank, world), reverse)
+        eager, ht_eager = _scan(S_all, D_all, h0, _Segments.of(layout, rank, world), reverse, traced=False)
+        assert torch.equal(eager, entering) and torch.equal(ht_eager, ht)
         loss = loss + (entering * c[rank]).sum()
     loss = loss + (ht * w).sum()
     dS, dh0 = torch.autograd.grad(loss, (S_all, h0))

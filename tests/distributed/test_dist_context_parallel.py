@@ -195,9 +195,9 @@ COMPILED_CASE = dict(gate="vector", G=2, layers=2)
 
 
 def compiled_inductor(ctx):
-    """fullgraph compile through plain Inductor: the all-gathers, and their backward's
-    reduce-scatters, are functional collectives inside the compiled graphs, the same on every rank
-    (NOTE:[CP uniform graph])."""
+    """fullgraph compile through plain Inductor: the two-pass Function's all-gathers, forward and
+    backward, are functional collectives inside the compiled graphs, the same on every rank
+    (NOTE:[CP uniform graph]); its states-only passes are ops."""
     from gla_inductor.distributed import context_parallel_gla
 
     torch._dynamo.reset()
@@ -206,10 +206,12 @@ def compiled_inductor(ctx):
                              fullgraph=True)
     errors = _cp_errors(ctx, fn=compiled, **COMPILED_CASE)
     forward, backward = ([str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)] for gm in graphs)
-    gather, scatter, wait = (f"_c10d_functional.{c}.default" for c in ("all_gather_into_tensor",
-                                                                        "reduce_scatter_tensor", "wait_tensor"))
+    gather, wait = (f"_c10d_functional.{c}.default" for c in ("all_gather_into_tensor", "wait_tensor"))
     assert forward == [gather, wait] * 2, forward
-    assert backward == [scatter, wait] * 2, backward
+    assert backward == [gather, wait] * 2, backward
+    ops = [[str(n.target) for n in gm.graph.nodes if "gla_inductor" in str(n.target)] for gm in graphs]
+    states, fwd, bwd = (f"gla_inductor.{op}.default" for op in ("chunk_final_state", "chunk_fwd", "chunk_bwd"))
+    assert ops == [[states, fwd] * 2, [states, bwd] * 2], ops
     return errors
 
 

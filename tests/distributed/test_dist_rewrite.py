@@ -1,7 +1,7 @@
 """A naive GLA in the user's code, compiled with gla_inductor.backend while its inputs are DTensors:
 sharded over heads it becomes the GLA op, which runs each rank's heads locally (no collective in
-the compiled graphs); sharded over time it becomes context parallelism, its all-gather (and the
-backward's reduce-scatter) functional collectives in the graphs, fullgraph. Eager (the naive code
+the compiled graphs); sharded over time it becomes context parallelism, its all-gathers (forward
+and backward) functional collectives in the graphs, fullgraph. Eager (the naive code
 on DTensors) and compiled equal ``chunk_gla`` on the whole tensors in one process, forward and
 every gradient. A time shard context parallelism cannot take is left alone with the reason.
 
@@ -152,13 +152,14 @@ def _expect_rewritten(results: list, form: str) -> None:
 
 
 def _expect_context_parallel(graphs: list, replicated_grads: int = 0) -> None:
-    """Forward: the local op and one all-gather; backward: the op's backward, the all-gather's
-    reduce-scatter, and an all-reduce per replicated input (its Partial gradient made Replicate)."""
+    """Forward: the local op and one all-gather; backward: the op's backward, the all-gather of the
+    entering states' gradients, and an all-reduce per replicated input (its Partial gradient made
+    Replicate)."""
     forward, backward = graphs
     assert "gla_inductor.chunk_fwd.default" in _targets([forward]), _targets([forward])
     assert "gla_inductor.chunk_bwd.default" in _targets([backward]), _targets([backward])
     assert _collectives(forward) == ["all_gather_into_tensor", "wait_tensor"], _collectives(forward)
-    want = ["reduce_scatter_tensor", "wait_tensor"] + ["all_reduce_", "wait_tensor"] * replicated_grads
+    want = ["all_gather_into_tensor", "wait_tensor"] + ["all_reduce_", "wait_tensor"] * replicated_grads
     assert _collectives(backward) == want, _collectives(backward)
 
 
