@@ -35,14 +35,12 @@ from ..core.consts import example_value, module_state
 from ..core.emit import Emitter
 from ..core.match import Reject
 from . import static_decay
+from .fallback import Checks
 from .intra_chunk import Roles
 
 GAMMA_RTOL = 1e-5  # the table's gate against the certified one (float32 tables)
 FIT_TOL = 1e-4  # an exponent table shared by the heads, up to the tables' float32 rounding
 GUARD_RTOL, GUARD_ATOL = 1e-4, 1e-6  # the run-time check of a table against the gate
-GUARD_MESSAGE = ("gla_inductor: a decay buffer of a rewritten chunked GLA changed after compiling to values "
-                 "that are not the gate's tables the rewrite was proven for; call torch._dynamo.reset() and "
-                 "compile again")
 
 
 @dataclass
@@ -154,19 +152,20 @@ def _weights(n: int) -> torch.Tensor:
 
 
 # ---- emission ------------------------------------------------------------------------------
-def emit(em: Emitter, an: Analyzer, tg: TableGate) -> fx.Node:
-    """g_gamma (over the head, or one value for all) computed from the tables in the graph,
-    after the run-time check of every table against it."""
+def emit(em: Emitter, an: Analyzer, tg: TableGate, checks: Checks) -> fx.Node:
+    """g_gamma (over the head, or one value for all) computed from the tables in the graph;
+    the run-time check of every table against it goes to `checks` (``fallback.py``)."""
     g = em.as_float32(static_decay.emit_log_gate(em, an, tg.factors, tg.i, tg.j, tg.letter, tg.reverse))
     g = em.call(torch.reshape, g, (-1,))
     if example_value(g).shape[0] != em.sizes["h"]:  # one gate for all heads
         g = em.call("expand", g, em.sizes["h"], op="call_method")
     for t in tg.tables:
-        _guard(em, g, t)
+        checks.add(em, _guard(em, g, t))
     return g
 
 
-def _guard(em: Emitter, g: fx.Node, t: Table) -> None:
+def _guard(em: Emitter, g: fx.Node, t: Table) -> fx.Node:
+    """A 0-d bool tensor: whether the table holds what the fit says, for the gate `g`."""
     x = t.node
     val = example_value(x)
     if t.kind == "same":
@@ -174,8 +173,7 @@ def _guard(em: Emitter, g: fx.Node, t: Table) -> None:
             torch.arange, val.numel(), dtype=torch.float32, device=val.device), 0.7548776662), 0.5))
         f = em.call(torch.sum, em.call(torch.mul, em.call(torch.reshape, em.as_float32(x), (-1,)), w))
         err = em.call(torch.abs, em.call(torch.sub, f, t.fingerprint))
-        _check(em, em.call(torch.le, err, GUARD_RTOL * t.spread + GUARD_ATOL))
-        return
+        return em.call(torch.le, err, GUARD_RTOL * t.spread + GUARD_ATOL)
     shape = tuple(val.shape)
     p = None
     for a, s in enumerate(shape):
@@ -197,8 +195,4 @@ def _guard(em: Emitter, g: fx.Node, t: Table) -> None:
             want = em.call(torch.masked_fill, want, em.call(torch.lt, p, -MASK_AT), 0.0)
     err = em.call(torch.abs, em.call(torch.sub, em.as_float32(x), want))
     bound = em.call(torch.add, em.call(torch.mul, em.call(torch.abs, want), GUARD_RTOL), GUARD_ATOL)
-    _check(em, em.call(torch.all, em.call(torch.le, err, bound)))
-
-
-def _check(em: Emitter, ok: fx.Node) -> None:
-    em.call(torch._assert_async, ok, GUARD_MESSAGE)
+    return em.call(torch.all, em.call(torch.le, err, bound))
