@@ -22,14 +22,18 @@ raises instead (``torch._assert_async``) and the op runs unbranched.
 from __future__ import annotations
 
 import importlib
+import logging
 import operator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from ..core.consts import example_value
+from ..core.consts import example_value, is_inplace, written_args
 from ..core.match import Match
+from ..core.op_names import VIEW_OPS, op_name
+
+log = logging.getLogger("gla_inductor")
 
 # torch.cond takes gradients through both branches from torch 2.5 on (CondAutogradOp).
 COND_AUTOGRAD = hasattr(importlib.import_module("torch._higher_order_ops.cond"), "CondAutogradOp")
@@ -69,25 +73,34 @@ def guarded(m: Match, outputs: list, body: set, checks: Checks) -> Match:
 
 
 def branch(txn, mark: tuple, oks: list, outputs: list, body: set) -> None:
-    """Put the replacement `inner` emitted since `mark` behind `oks`: a cond whose true branch
-    is the replacement and whose false branch is `body` copied, its outputs taking the users
-    the replacement took from `outputs`."""
+    """Put the replacement emitted since `mark` behind `oks`: a cond whose true branch is the
+    replacement and whose false branch is `body` copied, its outputs taking the users the
+    replacement took from `outputs`. Where the branches cannot be cut cleanly (operands that
+    alias each other, a write into one), the checks raise instead."""
     graph = txn.graph
-    gm = graph.owning_module
     new = [_replacement(txn, mark, o) for o in outputs]
     keep = [(o, n) for o, n in zip(outputs, new) if n is not None]
-    since = _index_after(txn, oks)
-    made = set(txn.created[since:])
-    true_nodes = _closure([n for _, n in keep], lambda x: x in made)
-    false_nodes = _closure([o for o, _ in keep] + [x for x in body if _writes(x)],
-                           lambda x: x in body and x.op != "placeholder")
+    made = set(txn.created[mark[0]:])
+    at = txn.created[-1].next  # the emitter's anchor: everything emitted sits right before it
+    # the replacement again from the user's nodes (its gate recomputed inside: a few numbers),
+    # through views on both sides, so that no two operands share memory
+    true_nodes = _closure([n for _, n in keep], lambda x: x in made or _is_view(x))
+    false_nodes = _closure([o for o, _ in keep] + [x for x in body if is_inplace(x)],
+                           lambda x: x in body and x.op != "placeholder" or _is_view(x))
     true_outs, false_outs = [n for _, n in keep], [o for o, _ in keep]
     operands = _reads(true_nodes, true_outs)
     operands += [x for x in _reads(false_nodes, false_outs) if x not in operands]
+    why = _unclean(operands, false_nodes, at)
+    if why is not None:
+        log.info("gla_inductor: the decay tables' checks raise instead of falling back: %s", why)
+        with graph.inserting_before(at):
+            for ok in oks:
+                txn.created.append(graph.call_function(torch._assert_async, (ok, GUARD_MESSAGE)))
+        return
     dense = [_same_strides(example_value(o), example_value(n)) for o, n in keep]
+    gm = graph.owning_module
     true_gm = _outline(gm, true_nodes, true_outs, operands, dense)
     false_gm = _outline(gm, false_nodes, false_outs, operands, dense)
-    at = txn.created[-1].next  # the emitter's anchor: everything emitted sits right before it
     with graph.inserting_before(at):
         pred = _all(txn, graph, oks)
         t_attr = graph.get_attr(_register(gm, "gla_cond_true", true_gm))
@@ -106,23 +119,46 @@ def branch(txn, mark: tuple, oks: list, outputs: list, body: set) -> None:
                     txn.replace_input(user, n, item)
 
 
+def _is_view(node: fx.Node) -> bool:
+    """An op that only views its input (free to repeat in a branch)."""
+    name = op_name(node)
+    return name in VIEW_OPS or getattr(node.target, "__name__", node.target) in ("split", "chunk", "unbind", "view")
+
+
+def _unclean(operands: list, false_nodes: list, at: fx.Node) -> Optional[str]:
+    """Why the branches cannot take these operands (torch.cond wants operands defined before it,
+    none sharing memory with another, none written by a branch), or None."""
+    before = set()
+    for n in at.graph.nodes:
+        if n is at:
+            break
+        before.add(n)
+    if any(x not in before for x in operands):
+        return "the user's computation reads a value computed after its output"
+    storages = [_storage(example_value(x)) for x in operands]
+    storages = [s for s in storages if s is not None]
+    if len(set(storages)) != len(storages):
+        return "two inputs of the computation share memory"
+    inside = set(false_nodes)
+    if any(t not in inside for n in false_nodes for t in written_args(n)):
+        return "the user's computation writes into its inputs"
+    return None
+
+
+def _storage(val):
+    if not isinstance(val, torch.Tensor):
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(val.untyped_storage())
+
+
 def _replacement(txn, mark: tuple, old: fx.Node):
     """The node `old`'s users were re-pointed to since `mark` (None: it had none)."""
     for user, was, new in txn.rewires[mark[1]:]:
         if was is old:
             return new
     return None
-
-
-def _index_after(txn, oks: list) -> int:
-    """Where the replacement starts in txn.created: after the last check."""
-    return max(txn.created.index(ok) for ok in oks) + 1
-
-
-def _writes(node: fx.Node) -> bool:
-    from ..core.consts import is_inplace
-
-    return is_inplace(node)
 
 
 def _closure(roots: list, inside: Callable) -> list:

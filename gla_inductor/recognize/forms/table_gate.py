@@ -16,9 +16,10 @@ the rewrite right when a buffer changes after compiling (a checkpoint loaded, sl
   affine in the positions and shared by the heads (query decays P = i + 1, key decays
   P = C - 1 - j, diagonal decays P = i - j, the slope itself P = -1), else fingerprinted (a fixed
   weighted sum of its values). On every call the graph rebuilds each table from the gate it
-  computed (or takes the fingerprint) and checks it (``torch._assert_async``): a table changed
-  into values the certificate did not cover raises instead of giving wrong outputs. The check
-  is elementwise over the tables, H·C·C numbers at most, next to a chunk loop over B·H·T·K·V.
+  computed (or takes the fingerprint) and checks it: where a table changed into values the
+  certificate did not cover, the graph runs the user's own loop instead of the op
+  (``fallback.py``: a ``torch.cond`` on the checks). The check is elementwise over the tables,
+  H·C·C numbers at most, next to a chunk loop over B·H·T·K·V.
 """
 
 from __future__ import annotations
@@ -159,9 +160,28 @@ def emit(em: Emitter, an: Analyzer, tg: TableGate, checks: Checks) -> fx.Node:
     g = em.call(torch.reshape, g, (-1,))
     if example_value(g).shape[0] != em.sizes["h"]:  # one gate for all heads
         g = em.call("expand", g, em.sizes["h"], op="call_method")
-    for t in tg.tables:
-        checks.add(em, _guard(em, g, t))
+    check_tables(em, g, tg.tables, checks)
     return g
+
+
+def check_tables(em: Emitter, g: fx.Node, tables: list, checks: Checks) -> None:
+    """The run-time check of each table against the gate `g` (over the heads, flat), to `checks`."""
+    for t in tables:
+        checks.add(em, _guard(em, g, t))
+
+
+def table_value(t: Table, g: torch.Tensor) -> torch.Tensor:
+    """What the table holds for the log gate `g` (float64, over the heads) by its fit; "same"
+    tables are not functions of the gate (their compile-time value is kept)."""
+    x0 = module_state(t.node).detach().cpu().double()
+    if t.kind == "same":
+        return x0
+    p = _grid(t.coefs, x0.shape, t.head_axis)
+    gh = g[:1].reshape([1] * x0.dim()) if t.head_axis is None else g.reshape(
+        [-1 if a == t.head_axis else 1 for a in range(x0.dim())])
+    if t.kind == "lin":
+        return gh * p
+    return torch.exp(gh * p).masked_fill(p < -MASK_AT, 0.0)
 
 
 def _guard(em: Emitter, g: fx.Node, t: Table) -> fx.Node:
@@ -188,6 +208,8 @@ def _guard(em: Emitter, g: fx.Node, t: Table) -> fx.Node:
     view = [1] * len(shape)
     if t.head_axis is not None:
         view[t.head_axis] = -1
+    else:  # one gate for all heads: the first head's
+        g = em.call(torch.narrow, g, 0, 0, 1)
     want = em.call(torch.mul, em.call(torch.reshape, g, tuple(view)), p)
     if t.kind == "exp":
         want = em.call(torch.exp, want)
