@@ -179,3 +179,15 @@ def test_without_cond_autograd_the_checks_raise(monkeypatch):
     _break_chunk_loop(model)
     with pytest.raises(RuntimeError, match="decay buffer"):
         compiled(*args)
+
+
+def test_a_trained_mask_is_left_alone():
+    """A mask that is a parameter gets the user's elementwise gradient; the op's would reach it
+    only through the gate read from it: no rewrite, and the reason said."""
+    model = BufferMask()
+    mask = model.mask.clone()
+    del model._buffers["mask"]
+    model.mask = nn.Parameter(mask)
+    report = gla_inductor.explain(model, *inputs())
+    assert report.matches == []
+    assert any("are trained" in nm.reason for nm in report.near_misses), [nm.reason for nm in report.near_misses]

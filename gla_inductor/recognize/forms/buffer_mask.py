@@ -44,7 +44,7 @@ def read(an: Analyzer, decay: list, i: int, j: int, batch: list, letter: dict) -
     if any(letter.get(x, "").isupper() for x in heads):  # heads of two parts: a flat gate only
         raise perturbed
     g0 = st.gammas.log()
-    tables = [table_gate._fit(n, g0) for n in static_decay._state_nodes(an, decay)]
+    tables = table_gate.fit_all(static_decay._state_nodes(an, decay), g0)
     if not _follows(an, decay, heads + [i, j], tables, g0, st.reverse):
         raise perturbed
     return st, tables

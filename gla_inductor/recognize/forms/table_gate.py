@@ -85,8 +85,19 @@ def read(an: Analyzer, term, r: Roles, gamma: tuple, reads: list) -> TableGate:
     if found.shape != want.shape or not torch.allclose(found, want, rtol=GAMMA_RTOL, atol=1e-9):
         raise Reject(f"the intra-chunk decay table gives log gamma {_nums(found)}, expected the chunks' "
                      f"state decay {_nums(want)}")
-    tables = [_fit(n, want) for n in static_decay.state_roots(an, reads)]
+    tables = fit_all(static_decay.state_roots(an, reads), want)
     return TableGate(factors, r.i, r.j, letter, st.reverse, tables)
+
+
+def fit_all(nodes: list, g0: torch.Tensor) -> list:
+    """The tables of module state `nodes` for the log gate `g0`; Reject where one is trained:
+    the op's gradient reaches a table only through the gate read from it, not elementwise as
+    the user's code does."""
+    trained = [static_decay._state_name(n) for n in nodes if getattr(example_value(n), "requires_grad", False)]
+    if trained:
+        raise Reject(f"the decay tables {', '.join(trained)} are trained (require grad): the op's gradient would "
+                     "reach them only through the gate read from them")
+    return [_fit(n, g0) for n in nodes]
 
 
 def _nums(x: torch.Tensor) -> str:
