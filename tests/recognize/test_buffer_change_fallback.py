@@ -191,3 +191,19 @@ def test_a_trained_mask_is_left_alone():
     report = gla_inductor.explain(model, *inputs())
     assert report.matches == []
     assert any("are trained" in nm.reason for nm in report.near_misses), [nm.reason for nm in report.near_misses]
+
+
+def test_operands_sharing_memory_are_not_branched():
+    """torch.cond refuses operands that alias each other: where the user's nodes can only be cut
+    so, the checks raise instead (the reason is logged)."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    base = torch.zeros(4, 4)
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["example_value"], b.meta["example_value"] = base, base[1:]
+    out = g.call_function(torch.add, (a, a))
+    g.output(out)
+    assert "share memory" in fallback._unclean([a, b], [], out)
+    b.meta["example_value"] = torch.zeros(3, 4)
+    assert fallback._unclean([a, b], [], out) is None
