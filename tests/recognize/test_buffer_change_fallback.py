@@ -169,13 +169,20 @@ def test_the_graph_holds_one_cond_with_both_branches():
     assert not any("gla_inductor" in t for t in ops(false_gm))
 
 
-def test_without_cond_autograd_the_checks_raise(monkeypatch):
-    """On a torch whose cond cannot be differentiated the checks raise (no wrong outputs)."""
-    monkeypatch.setattr(fallback, "COND_AUTOGRAD", False)
+@pytest.mark.parametrize("why", ["config", "torch"])
+def test_without_the_fallback_the_checks_raise(monkeypatch, why):
+    """With config.table_guard = "raise" (no host synchronization), or on a torch whose cond
+    cannot be differentiated, the checks raise: no wrong outputs either way."""
+    if why == "config":
+        monkeypatch.setattr(gla_inductor.config, "table_guard", "raise")
+    else:
+        monkeypatch.setattr(fallback, "COND_AUTOGRAD", False)
     model = TableChunkLoop(heads=3, chunk=4, five_d=False)
     args = inputs()
     compiled = torch.compile(model, backend=rewrite_then_eager, fullgraph=True, dynamic=False)
-    compiled(*args)
+    for g, w in zip(compiled(*args), model(*args)):
+        assert rel_err(g, w) <= TOL
+    assert counters["gla_inductor"]["rewrites"] == 1
     _break_chunk_loop(model)
     with pytest.raises(RuntimeError, match="decay buffer"):
         compiled(*args)

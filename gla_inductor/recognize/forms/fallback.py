@@ -15,8 +15,9 @@ two GraphModules read by ``get_attr`` and a ``higher_order.cond`` node; AOTAutog
 differentiates both branches and Inductor compiles them as subgraphs. Inductor reads the
 predicate on the host where it branches (one ``.item()`` per call on CUDA).
 
-Where this torch's ``torch.cond`` cannot be differentiated (``COND_AUTOGRAD``), the check
-raises instead (``torch._assert_async``) and the op runs unbranched.
+Where this torch's ``torch.cond`` cannot be differentiated (``COND_AUTOGRAD``), or
+``config.table_guard`` is "raise" (no host synchronization), the check raises instead
+(``torch._assert_async``) and the op runs unbranched.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from ... import config
 from ..core.consts import example_value, is_inplace, written_args
 from ..core.match import Match
 from ..core.op_names import VIEW_OPS, op_name
@@ -49,7 +51,9 @@ class Checks:
         self.nodes: list = []
 
     def add(self, em, ok: fx.Node) -> None:
-        if COND_AUTOGRAD:
+        if config.table_guard not in ("fallback", "raise"):
+            raise ValueError(f"gla_inductor.config.table_guard is {config.table_guard!r}, expected 'fallback' or 'raise'")
+        if COND_AUTOGRAD and config.table_guard == "fallback":
             self.nodes.append(ok)
         else:
             em.call(torch._assert_async, ok, GUARD_MESSAGE)
