@@ -161,6 +161,7 @@ def test_the_graph_holds_one_cond_with_both_branches():
 
     torch.compile(BufferMask(), backend=backend, fullgraph=True, dynamic=False)(*inputs())
     (gm,) = graphs
+    assert gla_inductor.explain(BufferMask(), *inputs()).matches[0].options["tables_checked"] is True
     conds = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond]
     assert len(conds) == 1
     true_gm, false_gm = (getattr(gm, a.target) for a in conds[0].args[1:3])

@@ -73,6 +73,7 @@ def guarded(m: Match, outputs: list, body: set, checks: Checks) -> Match:
             branch(txn, mark, checks.nodes, outputs, body)
 
     m.apply = apply
+    m.options["tables_checked"] = True  # (explain's report: the rewrite has a run-time fallback)
     return m
 
 
