@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import gla_inductor
 from gla_inductor.backend import rewrite
 
 from helpers import rel_err, rel_err_floor, rewrite_then_eager
@@ -251,6 +252,27 @@ def test_minimax_slopes_changed_after_compiling(monkeypatch):
         runs.clear()
         assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL
         assert rewrites() == 0 and runs == []  # the model's own loop ran
+
+
+@pytest.mark.slow
+def test_minimax_through_inductor_with_a_changed_table():
+    """The whole backend in training: the cond's two branches compiled by Inductor and
+    differentiated, the op's and, after one table is changed alone, the model's own loop."""
+    model, layers, ids, _ = prepared("minimax", train=True)
+    compiled = torch.compile(model, backend=gla_inductor.backend, dynamic=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    counters.clear()
+    for change in (False, True):
+        if change:
+            with torch.no_grad():
+                gla_layers(model)[0].query_decay.mul_(0.9)
+        got, want = compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+        assert rel_err(got, want) <= TOL
+        gg = torch.autograd.grad(got.square().mean(), params, allow_unused=True)
+        gw = torch.autograd.grad(want.square().mean(), params, allow_unused=True)
+        floor = 1e-3 * max(w.abs().max().item() for w in gw if w is not None)
+        assert all(rel_err_floor(g, w, floor) <= TOL for g, w in zip(gg, gw) if w is not None)
+    assert rewrites() == layers
 
 
 def test_minimax_reports_no_false_reason():
