@@ -53,6 +53,14 @@ cpu_kernel: bool = True
 cpu_scratch_bytes: int = 64 * 2**20
 
 
+# A rewrite whose decay tables live in module state (MiniMax's lightning attention, a retention mask in a
+# buffer) checks them on every call (gla_inductor/recognize/forms/fallback.py). Where a table changed after
+# compiling is no gate's table: "fallback" runs the user's own code instead, a torch.cond in the graph
+# (Inductor reads its predicate on the host: one synchronization per call on CUDA); "raise" checks with
+# torch._assert_async instead (no synchronization) and fails.
+table_guard: str = "fallback"
+
+
 @contextlib.contextmanager
 def patch(**changes):
     import sys

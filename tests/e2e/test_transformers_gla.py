@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import gla_inductor
 from gla_inductor.backend import rewrite
 
 from helpers import rel_err, rel_err_floor, rewrite_then_eager
@@ -126,23 +127,28 @@ def gla_matters(model, ids) -> float:
 
     def wrong(gm, example_inputs):
         rewrite(gm, example_inputs)
-        for n in list(gm.graph.nodes):
-            if n.target is torch.ops.gla_inductor.chunk_fwd.default:
-                with gm.graph.inserting_after(n):
-                    o = gm.graph.call_function(operator.getitem, (n, 0))
-                with gm.graph.inserting_after(o):  # not a uniform scale: norms after the mixer undo those
-                    shifted = gm.graph.call_function(torch.roll, (o, 1, 1))
-                with gm.graph.inserting_after(shifted):
-                    o1 = gm.graph.call_function(torch.add, (o, shifted), {"alpha": 0.01})
-                for u in [u for u in n.users if u is not o and u.args[1] == 0]:
-                    u.replace_all_uses_with(o1)
-        gm.recompile()
+        for sub in [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]:  # (the op may sit in a
+            _shift_outputs(sub)  # torch.cond branch: decay tables checked at run time)
         return gm.forward
 
     torch._dynamo.reset()  # not the graphs another backend compiled for the same code
     with torch.no_grad():
         got = torch.compile(copy.deepcopy(model), backend=wrong, dynamic=False)(ids, use_cache=False).logits
         return rel_err(got, model(ids, use_cache=False).logits)
+
+
+def _shift_outputs(gm) -> None:
+    for n in list(gm.graph.nodes):
+        if n.target is torch.ops.gla_inductor.chunk_fwd.default:
+            with gm.graph.inserting_after(n):
+                o = gm.graph.call_function(operator.getitem, (n, 0))
+            with gm.graph.inserting_after(o):  # not a uniform scale: norms after the mixer undo those
+                shifted = gm.graph.call_function(torch.roll, (o, 1, 1))
+            with gm.graph.inserting_after(shifted):
+                o1 = gm.graph.call_function(torch.add, (o, shifted), {"alpha": 0.01})
+            for u in [u for u in n.users if u is not o and u.args[1] == 0]:
+                u.replace_all_uses_with(o1)
+    gm.recompile()
 
 
 def cache_of(out):
@@ -221,10 +227,15 @@ def test_training_step(name):
             assert rel_err_floor(g, w, floor) <= TOL, n
 
 
-def test_minimax_slopes_changed_after_compiling():
+def test_minimax_slopes_changed_after_compiling(monkeypatch):
     """MiniMax's decay tables are buffers computed from its slopes: retuned after compiling (and
     the tables recomputed from them, in place), the compiled model follows without recompiling;
-    one table changed alone, the guard refuses to run."""
+    one table changed alone, the graph runs the model's own loop (the guard's fallback)."""
+    from gla_inductor.ops import dispatch
+
+    runs = []
+    inner = dispatch.chunk_fwd
+    monkeypatch.setattr(dispatch, "chunk_fwd", lambda call: runs.append(call) or inner(call))
     model, _, ids, compiled = prepared("minimax")
     counters.clear()
     with torch.no_grad():
@@ -234,11 +245,34 @@ def test_minimax_slopes_changed_after_compiling():
         attn.slope_rate.mul_(0.5)
         q, k, d = attn.decay_factors(attn.slope_rate)
         attn.query_decay.copy_(q), attn.key_decay.copy_(k), attn.diagonal_decay.copy_(d)
+        runs.clear()
         assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL
-        assert rewrites() == 0  # no recompilation
+        assert rewrites() == 0 and len(runs) == 1  # no recompilation; the op ran
         attn.query_decay.mul_(0.9)
-        with pytest.raises(RuntimeError, match="decay buffer"):
-            compiled(ids, use_cache=False)
+        runs.clear()
+        assert rel_err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits) <= TOL
+        assert rewrites() == 0 and runs == []  # the model's own loop ran
+
+
+@pytest.mark.slow
+def test_minimax_through_inductor_with_a_changed_table():
+    """The whole backend in training: the cond's two branches compiled by Inductor and
+    differentiated, the op's and, after one table is changed alone, the model's own loop."""
+    model, layers, ids, _ = prepared("minimax", train=True)
+    compiled = torch.compile(model, backend=gla_inductor.backend, dynamic=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    counters.clear()
+    for change in (False, True):
+        if change:
+            with torch.no_grad():
+                gla_layers(model)[0].query_decay.mul_(0.9)
+        got, want = compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+        assert rel_err(got, want) <= TOL
+        gg = torch.autograd.grad(got.square().mean(), params, allow_unused=True)
+        gw = torch.autograd.grad(want.square().mean(), params, allow_unused=True)
+        floor = 1e-3 * max(w.abs().max().item() for w in gw if w is not None)
+        assert all(rel_err_floor(g, w, floor) <= TOL for g, w in zip(gg, gw) if w is not None)
+    assert rewrites() == layers
 
 
 def test_minimax_reports_no_false_reason():

@@ -17,13 +17,14 @@ import torch.fx as fx
 
 from ..certify.certificate import CertificateTooLarge, first_too_large
 from ..certify.spec import Spec
+from ..certify.subgraph import subgraph
 from ..core.analyzer import Analyzer
 from ..core.assembly import find_outputs
 from ..core.consts import example_value
 from ..core.emit import LFactor
 from ..core.match import Match, Reject
 from ..core.op_names import VIEW_OPS, op_name
-from . import table_gate
+from . import fallback, table_gate
 from .chunk_candidate import MAX_CANDIDATES, complete, letterings, match_of, module_state_reads
 from .intra_chunk import role_sizes
 
@@ -73,7 +74,10 @@ def _match(an: Analyzer, spec: Spec, first) -> Match:
                      "would not reach the op")
     _, term, roles = first
     tg = table_gate.read(an, term, roles, spec.gamma, reads)
-    return match_of(an, spec, lambda em: table_gate.emit(em, an, tg))
+    checks = fallback.Checks()
+    m = match_of(an, spec, lambda em: table_gate.emit(em, an, tg, checks))
+    nodes, _, consts = subgraph(an, spec.outputs(), set(spec.leaves().values()), static=True)
+    return fallback.guarded(m, spec.outputs(), nodes | set(consts), checks)
 
 
 def _length(q: fx.Node, sizes: dict) -> int:

@@ -35,7 +35,7 @@ from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
 from ..core.op_names import op_name
-from . import grouped_heads, periodic, static_decay
+from . import buffer_mask, grouped_heads, periodic, static_decay
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
@@ -399,7 +399,8 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
         raise Reject("an initial-state term beside a decay evaluated from positions and buffers is not read yet")
     h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
     final = _final_state(an, node, r, letter, gate, reverse, T, h0)
-    return _build(an, node, av, r, letter, heads, gate, coef, scalars, h0, final, reverse)
+    m = _build(an, node, av, r, letter, heads, gate, coef, scalars, h0, final, reverse)
+    return buffer_mask.guarded(an, m, gate.emit, [f.atom.node for f in data])
 
 
 def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tuple:
@@ -416,13 +417,10 @@ def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tu
                 raise
     if not static_decay.all_static(an, decay):
         raise Reject("the decay mixes a gate input with a mask computed from module state")
-    st = static_decay.read(an, decay, r.i, r.j, r.batch, letter)
+    st, tables = buffer_mask.read(an, decay, r.i, r.j, r.batch, letter)  # tables: to guard at run time
     if st.kind == "none":
         return Gate("none", [], reads=st.reads), st.reverse
-
-    def emit(em):
-        return static_decay.emit_log_gate(em, an, decay, r.i, r.j, letter, st.reverse)
-
+    emit = buffer_mask.GuardedGate(an, decay, r.i, r.j, letter, st.reverse, tables)
     return Gate("constant", [], reads=st.reads, emit=emit), st.reverse
 
 

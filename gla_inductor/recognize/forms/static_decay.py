@@ -13,7 +13,10 @@ The op's log gate is then read from the user's own factors *inside the graph*,
 g_gamma[h] = log D[h, 1, 0], so a buffer changed after compiling reaches the op. The form is
 proven for the buffer values at compile time and, as a check that it does not hinge on them,
 for values perturbed by up to 10% each; a buffer later set to values for which the mask is no
-longer causal (a positive log-decay under an infinite fill) is not guarded at run time.
+longer causal (a positive log-decay under an infinite fill) is not guarded at run time. A decay
+that is GLA for the buffers' values only (a whole mask precomputed into a buffer) is read
+without the perturbation (``perturb=False``) and rewritten with its tables checked at run time
+and the user's code as the fallback (``buffer_mask.py``, ``fallback.py``).
 """
 
 from __future__ import annotations

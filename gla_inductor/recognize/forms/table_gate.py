@@ -16,9 +16,10 @@ the rewrite right when a buffer changes after compiling (a checkpoint loaded, sl
   affine in the positions and shared by the heads (query decays P = i + 1, key decays
   P = C - 1 - j, diagonal decays P = i - j, the slope itself P = -1), else fingerprinted (a fixed
   weighted sum of its values). On every call the graph rebuilds each table from the gate it
-  computed (or takes the fingerprint) and checks it (``torch._assert_async``): a table changed
-  into values the certificate did not cover raises instead of giving wrong outputs. The check
-  is elementwise over the tables, H·C·C numbers at most, next to a chunk loop over B·H·T·K·V.
+  computed (or takes the fingerprint) and checks it: where a table changed into values the
+  certificate did not cover, the graph runs the user's own loop instead of the op
+  (``fallback.py``: a ``torch.cond`` on the checks). The check is elementwise over the tables,
+  H·C·C numbers at most, next to a chunk loop over B·H·T·K·V.
 """
 
 from __future__ import annotations
@@ -35,14 +36,12 @@ from ..core.consts import example_value, module_state
 from ..core.emit import Emitter
 from ..core.match import Reject
 from . import static_decay
+from .fallback import Checks
 from .intra_chunk import Roles
 
 GAMMA_RTOL = 1e-5  # the table's gate against the certified one (float32 tables)
 FIT_TOL = 1e-4  # an exponent table shared by the heads, up to the tables' float32 rounding
 GUARD_RTOL, GUARD_ATOL = 1e-4, 1e-6  # the run-time check of a table against the gate
-GUARD_MESSAGE = ("gla_inductor: a decay buffer of a rewritten chunked GLA changed after compiling to values "
-                 "that are not the gate's tables the rewrite was proven for; call torch._dynamo.reset() and "
-                 "compile again")
 
 
 @dataclass
@@ -86,8 +85,19 @@ def read(an: Analyzer, term, r: Roles, gamma: tuple, reads: list) -> TableGate:
     if found.shape != want.shape or not torch.allclose(found, want, rtol=GAMMA_RTOL, atol=1e-9):
         raise Reject(f"the intra-chunk decay table gives log gamma {_nums(found)}, expected the chunks' "
                      f"state decay {_nums(want)}")
-    tables = [_fit(n, want) for n in static_decay.state_roots(an, reads)]
+    tables = fit_all(static_decay.state_roots(an, reads), want)
     return TableGate(factors, r.i, r.j, letter, st.reverse, tables)
+
+
+def fit_all(nodes: list, g0: torch.Tensor) -> list:
+    """The tables of module state `nodes` for the log gate `g0`; Reject where one is trained:
+    the op's gradient reaches a table only through the gate read from it, not elementwise as
+    the user's code does."""
+    trained = [static_decay._state_name(n) for n in nodes if getattr(example_value(n), "requires_grad", False)]
+    if trained:
+        raise Reject(f"the decay tables {', '.join(trained)} are trained (require grad): the op's gradient would "
+                     "reach them only through the gate read from them")
+    return [_fit(n, g0) for n in nodes]
 
 
 def _nums(x: torch.Tensor) -> str:
@@ -154,19 +164,39 @@ def _weights(n: int) -> torch.Tensor:
 
 
 # ---- emission ------------------------------------------------------------------------------
-def emit(em: Emitter, an: Analyzer, tg: TableGate) -> fx.Node:
-    """g_gamma (over the head, or one value for all) computed from the tables in the graph,
-    after the run-time check of every table against it."""
+def emit(em: Emitter, an: Analyzer, tg: TableGate, checks: Checks) -> fx.Node:
+    """g_gamma (over the head, or one value for all) computed from the tables in the graph;
+    the run-time check of every table against it goes to `checks` (``fallback.py``)."""
     g = em.as_float32(static_decay.emit_log_gate(em, an, tg.factors, tg.i, tg.j, tg.letter, tg.reverse))
     g = em.call(torch.reshape, g, (-1,))
     if example_value(g).shape[0] != em.sizes["h"]:  # one gate for all heads
         g = em.call("expand", g, em.sizes["h"], op="call_method")
-    for t in tg.tables:
-        _guard(em, g, t)
+    check_tables(em, g, tg.tables, checks)
     return g
 
 
-def _guard(em: Emitter, g: fx.Node, t: Table) -> None:
+def check_tables(em: Emitter, g: fx.Node, tables: list, checks: Checks) -> None:
+    """The run-time check of each table against the gate `g` (over the heads, flat), to `checks`."""
+    for t in tables:
+        checks.add(em, _guard(em, g, t))
+
+
+def table_value(t: Table, g: torch.Tensor) -> torch.Tensor:
+    """What the table holds for the log gate `g` (float64, over the heads) by its fit; "same"
+    tables are not functions of the gate (their compile-time value is kept)."""
+    x0 = module_state(t.node).detach().cpu().double()
+    if t.kind == "same":
+        return x0
+    p = _grid(t.coefs, x0.shape, t.head_axis)
+    gh = g[:1].reshape([1] * x0.dim()) if t.head_axis is None else g.reshape(
+        [-1 if a == t.head_axis else 1 for a in range(x0.dim())])
+    if t.kind == "lin":
+        return gh * p
+    return torch.exp(gh * p).masked_fill(p < -MASK_AT, 0.0)
+
+
+def _guard(em: Emitter, g: fx.Node, t: Table) -> fx.Node:
+    """A 0-d bool tensor: whether the table holds what the fit says, for the gate `g`."""
     x = t.node
     val = example_value(x)
     if t.kind == "same":
@@ -174,8 +204,7 @@ def _guard(em: Emitter, g: fx.Node, t: Table) -> None:
             torch.arange, val.numel(), dtype=torch.float32, device=val.device), 0.7548776662), 0.5))
         f = em.call(torch.sum, em.call(torch.mul, em.call(torch.reshape, em.as_float32(x), (-1,)), w))
         err = em.call(torch.abs, em.call(torch.sub, f, t.fingerprint))
-        _check(em, em.call(torch.le, err, GUARD_RTOL * t.spread + GUARD_ATOL))
-        return
+        return em.call(torch.le, err, GUARD_RTOL * t.spread + GUARD_ATOL)
     shape = tuple(val.shape)
     p = None
     for a, s in enumerate(shape):
@@ -190,6 +219,8 @@ def _guard(em: Emitter, g: fx.Node, t: Table) -> None:
     view = [1] * len(shape)
     if t.head_axis is not None:
         view[t.head_axis] = -1
+    else:  # one gate for all heads: the first head's
+        g = em.call(torch.narrow, g, 0, 0, 1)
     want = em.call(torch.mul, em.call(torch.reshape, g, tuple(view)), p)
     if t.kind == "exp":
         want = em.call(torch.exp, want)
@@ -197,8 +228,4 @@ def _guard(em: Emitter, g: fx.Node, t: Table) -> None:
             want = em.call(torch.masked_fill, want, em.call(torch.lt, p, -MASK_AT), 0.0)
     err = em.call(torch.abs, em.call(torch.sub, em.as_float32(x), want))
     bound = em.call(torch.add, em.call(torch.mul, em.call(torch.abs, want), GUARD_RTOL), GUARD_ATOL)
-    _check(em, em.call(torch.all, em.call(torch.le, err, bound)))
-
-
-def _check(em: Emitter, ok: fx.Node) -> None:
-    em.call(torch._assert_async, ok, GUARD_MESSAGE)
+    return em.call(torch.all, em.call(torch.le, err, bound))
