@@ -141,7 +141,16 @@ def describe(node, depth: int = MAX_DESCRIBE_DEPTH) -> str:
     if node.op not in ("call_function", "call_method") or depth <= 0:
         return node.name
     name = _name(node) or (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "op"))
+    if name == "getitem" and len(node.args) == 2:  # a time slice x[:, t] is worth showing
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return f"{describe(node.args[0], depth)}[{', '.join(_index_text(i) for i in index)}]"
     if name in VIEW_OPS and node.args:
         return describe(node.args[0], depth)
     args = [describe(a, depth - 1) for a in node.args if not isinstance(a, torch.dtype)]
     return f"{name}({', '.join(args)})"
+
+
+def _index_text(i) -> str:
+    if isinstance(i, slice):
+        return ":".join("" if x is None else str(x) for x in (i.start, i.stop)) + ("" if i.step is None else f":{i.step}")
+    return "..." if i is Ellipsis else "None" if i is None else str(i) if not isinstance(i, fx.Node) else i.name
