@@ -193,6 +193,38 @@ def test_factor_that_may_be_negative_is_left_alone(fn, expr):
         assert torch.equal(g, w)
 
 
+def full_constant(q, k, v, prev):
+    """A decay tensor the graph builds from constants: torch.full(0.9), proven by its op."""
+    return _k_first_step(q, k, v, prev, torch.full((H, 1, 1), 0.9))
+
+
+def retnet_formula(q, k, v, prev):
+    """1 - 2 ** (-5 - h), torchscale's decay, built in the graph: positive, but only by its values."""
+    return _k_first_step(q, k, v, prev, (1 - 2 ** (-5 - torch.arange(H, dtype=torch.float32))).view(H, 1, 1))
+
+
+@pytest.mark.parametrize("fn, gates, reasons", [
+    (full_constant, ["constant"], []),
+    (retnet_formula, [], ["decay factor sub(1, pow(2, sub(-5, arange))) may be negative: expected exp(g) or a "
+                          "provably nonnegative factor"]),
+], ids=["full", "retnet_formula"])
+def test_constant_tensor_decay(fn, gates, reasons):
+    args = make_k_first()[:4]
+    results = []
+
+    def backend(gm, example_inputs):
+        results.append(rewrite_graph(gm))
+        return gm.forward
+
+    with torch.no_grad():
+        got = outputs(torch.compile(fn, backend=backend, fullgraph=True)(*args))
+        want = outputs(fn(*[a.double() for a in args]))
+    assert [m.gate for r in results for m in r.matches] == gates
+    assert [n.reason for r in results for n in r.near_misses] == reasons
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= FP32_TOL
+
+
 # ---- time loops share the step analysis ----------------------------------------------------------
 T = 5
 
@@ -239,3 +271,37 @@ def test_loop_with_tanh_decay_is_left_alone():
     reasons = [n.reason for r in results for n in r.near_misses if n.form == "loop"]
     assert reasons and all("may be negative: expected exp(g) or a provably nonnegative factor" in r for r in reasons)
     assert re.match(r"decay factor tanh\(l_x_\[:, \d\]\) may be negative", reasons[0]), reasons[0]  # a step's own slice
+
+
+# ---- the sign analysis on its own ----------------------------------------------------------------
+SIGNS = [
+    (lambda x, w: x.exp() * w.sigmoid(), True),
+    (lambda x, w: x.sqrt() / (x.abs() + 1), True),  # sqrt(-x) is NaN, which the gate carries
+    (lambda x, w: torch.nn.functional.softplus(x) + torch.relu(w) * 2, True),
+    (lambda x, w: x.square().rsqrt() + x.pow(2) + x ** 0.5 + 2 ** w, True),
+    (lambda x, w: x.clamp(min=0.1) * torch.maximum(w, x.exp()), True),
+    (lambda x, w: torch.where(x > 0, x.exp(), torch.ones_like(x)).float().view(-1), True),
+    (lambda x, w: torch.full_like(x, 0.5) * torch.ones_like(w), True),
+    (lambda x, w: x.view(-1) * 1.0, False),  # an input: its values may change
+    (lambda x, w: 1 - x.sigmoid(), False),  # a difference (>= 0 here, but not proven so)
+    (lambda x, w: x.exp() * -1, False),
+    (lambda x, w: x.pow(3), False),
+    (lambda x, w: torch.tanh(x).abs() * torch.tanh(w), False),
+    (lambda x, w: torch.floor_divide(x.exp(), w.exp()), False),
+]
+
+
+@pytest.mark.parametrize("expr, proven", SIGNS, ids=[str(i) for i in range(len(SIGNS))])
+def test_sign_analysis(expr, proven):
+    from gla_inductor.recognize.core.analyzer import Analyzer
+    from gla_inductor.recognize.forms.decay_sign import nonnegative
+
+    found = []
+
+    def backend(gm, example_inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+        found.append(nonnegative(Analyzer(gm.graph), out))
+        return gm.forward
+
+    torch.compile(lambda x, w: (expr(x, w),), backend=backend, fullgraph=True)(torch.randn(3), torch.randn(3))
+    assert found == [proven]

@@ -107,7 +107,7 @@ def _nonneg(an: Analyzer, x, budget: list) -> bool:
     if name == "where":
         return len(x.args) == 3 and all(_nonneg(an, a, budget) for a in x.args[1:])
     if name in ("full", "full_like", "new_full"):
-        fill = _number(_arg(x, 1, "fill_value"))
+        fill = _number(_arg(x, 2 if name == "new_full" else 1, "fill_value"))
         return fill is not None and fill >= 0
     if name == "pow":
         return _pow_nonneg(an, x, budget)

@@ -426,16 +426,27 @@ def _decay(st: Step, letter, vvars, ctx):
             # exp(x) each step computes, x no linear form (exp(dt_t * -exp(A_log))): x is the log-gate
             x = Factor("atom", f.idx, atom=Atom(_step_exp_input(ctx["an"], f.atom.node), f.atom.fixed))
             terms.append((1.0, (_atom_lfactor(x, letter, ctx),), False))
-        elif f.kind in ("atom", "inv"):  # a factor a (or 1 / a) >= 0 computed in the graph: log(a)
-            if not nonnegative(ctx["an"], f.atom.node):
-                raise Reject(f"decay factor {describe(f.atom.node)} may be negative: expected exp(g) or a provably "
-                             "nonnegative factor")
-            terms.append((-1.0 if f.kind == "inv" else 1.0, (_atom_lfactor(f, letter, ctx),), True))
+        elif f.kind in ("atom", "inv", "const") and not f.negate:
+            terms.append(_log_term(f, letter, ctx))
         else:
             raise Reject("the decay is not exp(...) of a log-gate or a positive constant")
     keys = [(c, tuple(_sort_key(_lf_key(lf)) for lf in lfs), lg) for c, lfs, lg in terms]
     sig = (coef, tuple(sorted(keys)))
     return sig, (coef, terms)
+
+
+def _log_term(f: Factor, letter, ctx) -> tuple:
+    """The gate term log(a) of a decay factor a >= 0 the graph computes (or -log(a) for 1 / a, a
+    divisor): exact, as exp(log(a)) = a; a factor not proven nonnegative is refused (a
+    negative a has no real log)."""
+    node = f.node if f.kind == "const" else f.atom.node
+    if not nonnegative(ctx["an"], node):
+        raise Reject(f"decay factor {describe(node)} may be negative: expected exp(g) or a provably nonnegative factor")
+    if f.kind == "const":
+        lf = lfactor(node, (), [_axis(e, letter, ctx) for e in f.idx])
+    else:
+        lf = _atom_lfactor(f, letter, ctx)
+    return (-1.0 if f.kind == "inv" else 1.0, (lf,), True)
 
 
 def _step_exp_input(an: Analyzer, node: fx.Node) -> Optional[fx.Node]:
@@ -629,8 +640,8 @@ def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
     total = None
     for c, lfs, is_log in terms:
         node = em.lift(Group(c if not is_log else 1.0, tuple(lfs)), letters, full=False)
-        if is_log:
-            node = em.call(torch.log, node)
+        if is_log:  # in fp32: a bf16 log would round the gate more than the code rounds a
+            node = em.call(torch.log, em.as_float32(node))
             if c != 1.0:
                 node = em.call(torch.mul, node, c)
         total = node if total is None else em.call(torch.add, total, node)
