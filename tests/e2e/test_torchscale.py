@@ -11,9 +11,10 @@ a reason not given yet is marked xfail (strict), saying which recognizer stays s
 
 The recurrent form keeps the state divided by the root of a running decay sum read from the
 cache: S = S_prev * sqrt(s_prev) * d / sqrt(s) + k v / sqrt(s), s = s_prev * d + 1. That is a GLA
-step with the gate log(sqrt(s_prev) * d / sqrt(s)) (a factor provably nonnegative) and the keys
-scaled by 1 / sqrt(s), which the decode recognizer rewrites: once per layer in every step graph
-that reads a cached state (the first step starts from none).
+step with the gate log(sqrt(s_prev) * d / sqrt(s)) (a factor provably nonnegative) and the values
+scaled by 1 / sqrt(s) (per head), which the decode recognizer rewrites: once per layer in every
+step graph that reads a cached state (the first step starts from none). The state is kept V-first
+([B, H, V, K]); the op reads it through a transposed view.
 
 Installation: torchscale 0.3.0 requires ``timm==0.6.13``, which requires torchvision; next to a
 CPU build of torch (CI, the README's install on a CPU machine) pip resolves PyPI's torchvision
