@@ -97,15 +97,42 @@ def make_gate_input() -> list:
     return args
 
 
-@pytest.mark.parametrize("fn, inputs", [
-    (retnet_v_first, make), (retnet_k_first, make_k_first), (retnet_constant, lambda: make()[:5]),
-    (sigmoid_gate, make_gate_input), (key_divisor, make_gate_input),
+def with_cache(fn, args: list, cached: int):
+    """(fn of the first `cached` args, those args): the others (the running decay sum and the
+    log-decay, a cache and a buffer) are fixed tensors that need no gradient."""
+    rest = args[cached:]
+    return (lambda *leaves: fn(*leaves, *rest)), args[:cached]
+
+
+@pytest.mark.parametrize("fn, inputs, cached", [
+    (retnet_v_first, make, 4), (retnet_k_first, make_k_first, 4), (retnet_constant, lambda: make()[:5], 4),
+    (sigmoid_gate, make_gate_input, 6), (key_divisor, make_gate_input, 6),
 ], ids=["sqrt_ratio_v_first", "sqrt_ratio_k_first", "python_constant", "sigmoid", "key_divisor"])
-def test_rewritten_and_exact_with_gradients(fn, inputs):
-    """One decode rewrite; outputs, the new state and every input's gradient as float64 eager's."""
-    matches = check_rewrite_exact(fn, inputs())
+def test_rewritten_and_exact_with_gradients(fn, inputs, cached):
+    """One decode rewrite; outputs, the new state and the gradients of q, k, v, the state (and
+    of the gate's inputs, where the factor is proven positive) as float64 eager's."""
+    matches = check_rewrite_exact(*with_cache(fn, inputs(), cached))
     assert [m.form for m in matches] == ["decode"]
     assert matches[0].options["initial_state"]
+
+
+def test_factor_that_may_be_zero_needs_no_gradient():
+    """sqrt(s_prev) may be 0, where d/da log(a) is 0 / 0: left alone when the running sum
+    needs a gradient, rewritten when it does not (above)."""
+    args = [a.requires_grad_() for a in make()]
+    results = []
+
+    def backend(gm, example_inputs):
+        results.append(rewrite_graph(gm))
+        return gm.forward
+
+    got = outputs(torch.compile(retnet_v_first, backend=backend, fullgraph=True)(*args))
+    assert not [m for r in results for m in r.matches]
+    assert [n.reason for r in results for n in r.near_misses] == [
+        "decay factor div(mul(sqrt(l_prev_scale_), exp(l_log_decay_)), sqrt(add(mul, 1))) may be zero where its "
+        "gradient is needed: expected exp(g) or a provably positive factor"]
+    for g, w in zip(got, outputs(retnet_v_first(*args))):
+        assert torch.equal(g, w)
 
 
 def test_buffer_decay_is_rewritten_and_exact():
@@ -274,34 +301,40 @@ def test_loop_with_tanh_decay_is_left_alone():
 
 
 # ---- the sign analysis on its own ----------------------------------------------------------------
+POS, NONNEG, UNKNOWN = 2, 1, 0
 SIGNS = [
-    (lambda x, w: x.exp() * w.sigmoid(), True),
-    (lambda x, w: x.sqrt() / (x.abs() + 1), True),  # sqrt(-x) is NaN, which the gate carries
-    (lambda x, w: torch.nn.functional.softplus(x) + torch.relu(w) * 2, True),
-    (lambda x, w: x.square().rsqrt() + x.pow(2) + x ** 0.5 + 2 ** w, True),
-    (lambda x, w: x.clamp(min=0.1) * torch.maximum(w, x.exp()), True),
-    (lambda x, w: torch.where(x > 0, x.exp(), torch.ones_like(x)).float().view(-1), True),
-    (lambda x, w: torch.full_like(x, 0.5) * torch.ones_like(w), True),
-    (lambda x, w: x.view(-1) * 1.0, False),  # an input: its values may change
-    (lambda x, w: 1 - x.sigmoid(), False),  # a difference (>= 0 here, but not proven so)
-    (lambda x, w: x.exp() * -1, False),
-    (lambda x, w: x.pow(3), False),
-    (lambda x, w: torch.tanh(x).abs() * torch.tanh(w), False),
-    (lambda x, w: torch.floor_divide(x.exp(), w.exp()), False),
+    (lambda x, w: x.exp() * w.sigmoid(), POS),
+    (lambda x, w: x.sqrt() / (x.abs() + 1), NONNEG),  # sqrt(-x) is NaN, which the gate carries
+    (lambda x, w: torch.nn.functional.softplus(x) + torch.relu(w) * 2, POS),
+    (lambda x, w: x.square().rsqrt() + x.pow(2) + x ** 0.5 + 2 ** w, POS),
+    (lambda x, w: x.square().rsqrt() + x.pow(2) + x ** 0.5, NONNEG),
+    (lambda x, w: x.clamp(min=0.1) * torch.maximum(w, x.exp()), POS),
+    (lambda x, w: x.clamp(min=0), NONNEG),
+    (lambda x, w: torch.where(x > 0, x.exp(), torch.ones_like(x)).float().view(-1), POS),
+    (lambda x, w: torch.full_like(x, 0.5) * torch.ones_like(w), POS),
+    (lambda x, w: x.view(-1) * 1.0, UNKNOWN),  # an input: its values may change
+    (lambda x, w: 1 - x.sigmoid(), UNKNOWN),  # a difference (>= 0 here, but not proven so)
+    (lambda x, w: x.exp() * -1, UNKNOWN),
+    (lambda x, w: x.pow(3), UNKNOWN),
+    (lambda x, w: torch.tanh(x).abs() * torch.tanh(w), UNKNOWN),
+    (lambda x, w: torch.floor_divide(x.exp(), w.exp()), UNKNOWN),
+    (lambda x, w: torch.reciprocal(x), UNKNOWN),
+    (lambda x, w: x.exp().clamp(max=-1.0), UNKNOWN),
+    (lambda x, w: x.exp().clamp(min=0.0, max=2.0), POS),
 ]
 
 
-@pytest.mark.parametrize("expr, proven", SIGNS, ids=[str(i) for i in range(len(SIGNS))])
-def test_sign_analysis(expr, proven):
+@pytest.mark.parametrize("expr, level", SIGNS, ids=[str(i) for i in range(len(SIGNS))])
+def test_sign_analysis(expr, level):
     from gla_inductor.recognize.core.analyzer import Analyzer
-    from gla_inductor.recognize.forms.decay_sign import nonnegative
+    from gla_inductor.recognize.forms.decay_sign import sign_level
 
     found = []
 
     def backend(gm, example_inputs):
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
-        found.append(nonnegative(Analyzer(gm.graph), out))
+        found.append(sign_level(Analyzer(gm.graph), out))
         return gm.forward
 
     torch.compile(lambda x, w: (expr(x, w),), backend=backend, fullgraph=True)(torch.randn(3), torch.randn(3))
-    assert found == [proven]
+    assert found == [level]

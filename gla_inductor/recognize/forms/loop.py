@@ -40,7 +40,7 @@ from ..core.consts import example_value
 from ..core.emit import Emitter, Group, LFactor, drop_final_state, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
 from . import periodic
-from .decay_sign import describe, nonnegative
+from .decay_sign import POSITIVE, UNKNOWN, describe, sign_level
 from .step_walk import StepWalk, lift_step_tensor, step_walk
 from .steps import (
     Letters, Read, Roles, Step, accumulates_outer, chains_of, find_steps, parse_read, parse_step, read_letters,
@@ -440,13 +440,23 @@ def _log_term(f: Factor, letter, ctx) -> tuple:
     divisor): exact, as exp(log(a)) = a; a factor not proven nonnegative is refused (a
     negative a has no real log)."""
     node = f.node if f.kind == "const" else f.atom.node
-    if not nonnegative(ctx["an"], node):
+    level = sign_level(ctx["an"], node)
+    if level == UNKNOWN:
         raise Reject(f"decay factor {describe(node)} may be negative: expected exp(g) or a provably nonnegative factor")
+    if level < POSITIVE and _requires_grad(node):
+        # d/da log(a) = 1 / a: at a = 0 the gate's gradient is 0 / 0, not the code's
+        raise Reject(f"decay factor {describe(node)} may be zero where its gradient is needed: expected exp(g) "
+                     "or a provably positive factor")
     if f.kind == "const":
         lf = lfactor(node, (), [_axis(e, letter, ctx) for e in f.idx])
     else:
         lf = _atom_lfactor(f, letter, ctx)
     return (-1.0 if f.kind == "inv" else 1.0, (lf,), True)
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    val = example_value(node)
+    return isinstance(val, torch.Tensor) and val.requires_grad
 
 
 def _step_exp_input(an: Analyzer, node: fx.Node) -> Optional[fx.Node]:

@@ -3,6 +3,9 @@
     S_t = S_{t-1} * d_t + k_t (x) v_t        (decay d_t = exp(g_t) over K, or absent)
     o_t = scale * sum_K q_t * S_t
 
+(a decay may also be a factor the graph computes, proven >= 0 by decay_sign.py, and the outer
+product may be divided by a tensor per batch, head or key: ``expand_quotients``)
+
 ``find_steps`` reads every node as a possible state update (``parse_step``); ``chains_of``
 links the updates S_{t-1} -> S_t; ``parse_read`` reads an output element as a query read of a
 state (a single step's read is found among the users of its state: ``read_of_step``). The
@@ -92,7 +95,7 @@ def expand_quotients(an: Analyzer, av: AV) -> AV:
     """av with a quotient x / y that a term reads whole (a tensor divided by a tensor is an
     atom to the algebra) read as x * (1 / y): the "inv" factor of y (exp(-L) for y = exp(L)).
     torchscale's update adds kv / sqrt(scale), an outer product scaled per head; the op takes
-    the factor 1 / y into k or v (see loop._group)."""
+    the factor 1 / y into k or v (see loop._divisors)."""
     terms = tuple(_expanded_term(an, m, av.out) or m for m in av.terms)
     return av if terms == av.terms else AV(av.out, terms, av.keep, av.origin, av.root)
 
