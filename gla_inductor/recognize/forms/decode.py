@@ -2,6 +2,10 @@
 
     S = S_cache * d + k (x) v,   o = scale * q S
 
+where d is exp(g) or a factor computed in the graph that ``decay_sign.py`` proves nonnegative
+(torchscale RetNet's sqrt(s_prev) * d / sqrt(s), whose update adds k (x) v / sqrt(s)); the op
+gets the gate log(d).
+
 with no time axis, the cache a graph input, usually written back (``cache.copy_(S)``). It is
 the time loop's one-step case (``loop.analyze_chain``); where the write-back goes into the cache
 the state came from, the op updates the cache in place (``core/placement.py``).

@@ -40,6 +40,7 @@ from ..core.consts import example_value
 from ..core.emit import Emitter, Group, LFactor, drop_final_state, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
 from . import periodic
+from .decay_sign import POSITIVE, UNKNOWN, describe, sign_level
 from .step_walk import StepWalk, lift_step_tensor, step_walk
 from .steps import (
     Letters, Read, Roles, Step, accumulates_outer, chains_of, find_steps, parse_read, parse_step, read_letters,
@@ -156,6 +157,9 @@ def _check_same_structure(chain: list[Step], lifted: list) -> None:
         sigs = {lf[key][0] for lf in lifted if lf[key] is not None}
         if len(sigs) != 1:
             raise Reject(f"the {key} of the steps differ in structure")
+    for key in ("k_inv", "v_inv"):  # the divisors of the outer product, where there are
+        if len({lf[key][0] if lf[key] is not None else None for lf in lifted}) > 1:
+            raise Reject(f"the {key} of the steps differ in structure")
     last = lifted[-1]
     if any(lf.get("scale") != last.get("scale") for lf in lifted):
         raise Reject("the outputs of the steps are scaled differently")
@@ -197,7 +201,7 @@ def _check_state_free(chain: list[Step], seen: list[Step], reads: dict) -> None:
     while factors:
         f = factors.pop()
         factors += [g for _, inner in f.inner for g in inner]  # a gate exp(w S) reads S too
-        if f.kind == "atom" and f.atom.node in derived:
+        if f.kind in ("atom", "inv") and f.atom.node in derived:
             raise Reject("the update reads the state it updates (delta-rule style)")
 
 
@@ -224,12 +228,13 @@ def _time_axes(an: Analyzer, chain: list[Step], reads: dict) -> set:
 def _fixed_indices(an: Analyzer, factors, states: set, part: str, values: dict) -> None:
     """values[(part, ident, axis)]: the fixed indices the factors read (inside exp too)."""
     for f in factors:
-        walk = step_walk(an, f.atom.node) if f.kind == "atom" and f.atom.node not in states else None
+        atom = f.kind in ("atom", "inv")
+        walk = step_walk(an, f.atom.node) if atom and f.atom.node not in states else None
         if walk is not None:
             for leaf in walk.params:
                 for ident, axis, index, _ in leaf:
                     values.setdefault((part, ident, axis), set()).add(index)
-        if f.kind == "atom":  # `k[:, t]` of a walked k = qkv.unbind(2)[1] reads t here
+        if atom:  # `k[:, t]` of a walked k = qkv.unbind(2)[1] reads t here
             for axis, index in f.atom.fixed:
                 values.setdefault((part,) + _fixed_key(f.atom.node, axis, walk), set()).add(index)
         for _, inner in f.inner:
@@ -299,9 +304,12 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
         raise Reject("a factor of the outer product spans both K and V")
     if vvars and not any(vvars & factor_vars(f) for f in vf):
         raise Reject("the update has no value factor along V")
+    (kf, k_inv), (vf, v_inv) = _divisors(kf), _divisors(vf)
     res = {
         "k": _group(kf, 1.0, letters.of_var, ctx),
         "v": _group(vf, st.outer[0], letters.of_var, ctx),
+        "k_inv": _group(k_inv, 1.0, letters.of_var, ctx) if k_inv else None,
+        "v_inv": _group(v_inv, 1.0, letters.of_var, ctx) if v_inv else None,
         "decay": _decay(st, letters.of_var, vvars, ctx),
         "q": None,
         "letters": letters,
@@ -324,6 +332,13 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
     return res
 
 
+def _divisors(factors: list) -> tuple:
+    """(the factors, the divisors): a factor 1 / y of the outer product (a quotient the update
+    adds, see steps.expand_quotients) divides the keys (indexed along K) or else the values:
+    b * (k (x) v) = (b k) (x) v = k (x) (b v), per head, batch or key alike."""
+    return [f for f in factors if f.kind != "inv"], [f for f in factors if f.kind == "inv"]
+
+
 def _group(factors, coef, letter, ctx, allow_empty=True):
     """(signature, Group) of a product of atoms."""
     lfs = []
@@ -331,7 +346,7 @@ def _group(factors, coef, letter, ctx, allow_empty=True):
         if f.kind in ("const", "scalar"):
             lfs.append(lfactor(f.node, (), [_axis(e, letter, ctx) for e in f.idx]))
             continue
-        if f.kind != "atom":
+        if f.kind not in ("atom", "inv"):
             raise Reject(f"an input factor is a {f.kind}, expected a tensor")
         lfs.append(_atom_lfactor(f, letter, ctx))
     if not lfs and not allow_empty:
@@ -411,13 +426,37 @@ def _decay(st: Step, letter, vvars, ctx):
             # exp(x) each step computes, x no linear form (exp(dt_t * -exp(A_log))): x is the log-gate
             x = Factor("atom", f.idx, atom=Atom(_step_exp_input(ctx["an"], f.atom.node), f.atom.fixed))
             terms.append((1.0, (_atom_lfactor(x, letter, ctx),), False))
-        elif f.kind == "atom" and _positive(f.atom.node):
-            terms.append((1.0, (_atom_lfactor(f, letter, ctx),), True))
+        elif f.kind in ("atom", "inv", "const") and not f.negate:
+            terms.append(_log_term(f, letter, ctx))
         else:
             raise Reject("the decay is not exp(...) of a log-gate or a positive constant")
     keys = [(c, tuple(_sort_key(_lf_key(lf)) for lf in lfs), lg) for c, lfs, lg in terms]
     sig = (coef, tuple(sorted(keys)))
     return sig, (coef, terms)
+
+
+def _log_term(f: Factor, letter, ctx) -> tuple:
+    """The gate term log(a) of a decay factor a >= 0 the graph computes (or -log(a) for 1 / a, a
+    divisor): exact, as exp(log(a)) = a; a factor not proven nonnegative is refused (a
+    negative a has no real log)."""
+    node = f.node if f.kind == "const" else f.atom.node
+    level = sign_level(ctx["an"], node)
+    if level == UNKNOWN:
+        raise Reject(f"decay factor {describe(node)} may be negative: expected exp(g) or a provably nonnegative factor")
+    if level < POSITIVE and _requires_grad(node):
+        # d/da log(a) = 1 / a: at a = 0 the gate's gradient is 0 / 0, not the code's
+        raise Reject(f"decay factor {describe(node)} may be zero where its gradient is needed: expected exp(g) "
+                     "or a provably positive factor")
+    if f.kind == "const":
+        lf = lfactor(node, (), [_axis(e, letter, ctx) for e in f.idx])
+    else:
+        lf = _atom_lfactor(f, letter, ctx)
+    return (-1.0 if f.kind == "inv" else 1.0, (lf,), True)
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    val = example_value(node)
+    return isinstance(val, torch.Tensor) and val.requires_grad
 
 
 def _step_exp_input(an: Analyzer, node: fx.Node) -> Optional[fx.Node]:
@@ -434,12 +473,6 @@ def _step_exp_input(an: Analyzer, node: fx.Node) -> Optional[fx.Node]:
     if an.versions.get((node, x), x) is not x or not isinstance(xv, torch.Tensor) or xv.shape != nv.shape:
         return None
     return an.canon.get(x, x)
-
-
-def _positive(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target in (torch.sigmoid, torch.exp):
-        return True
-    return node.op == "call_method" and node.target in ("sigmoid", "exp")
 
 
 # ---- building the replacement -------------------------------------------------------------
@@ -551,9 +584,11 @@ def _emit_inputs(em: Emitter, last, decay, gate_kind, gate_letters, grouped: boo
     """The op's q, k, v and gate, lifted to the whole sequence; q and k with their own heads
     where they are grouped and `grouped` allows."""
     grouped = _grouped_letters(em, last["q"][1], last["k"][1]) if grouped else "bthk"
+    if last["k_inv"] is not None:
+        grouped = "bthk"  # the divisor may vary over every head
     q = em.lift(last["q"][1], grouped)
-    k = _lift_or_ones(em, last["k"][1], grouped, q)
-    v = _lift_or_ones(em, last["v"][1], "bthv", q)
+    k = _divided(em, _lift_or_ones(em, last["k"][1], grouped, q), last["k_inv"], grouped)
+    v = _divided(em, _lift_or_ones(em, last["v"][1], "bthv", q), last["v_inv"], "bthv")
     g, g_gamma = None, None
     if gate_kind != "none":
         gate = _emit_gate(em, decay[1], gate_letters, q)
@@ -591,6 +626,13 @@ def _lift_or_ones(em: Emitter, group: Group, out: str, like: fx.Node) -> fx.Node
     return em.call(torch.mul, node, group.coef) if group.coef != 1.0 else node
 
 
+def _divided(em: Emitter, node: fx.Node, inv, out: str) -> fx.Node:
+    """node / the product of the divisors `inv` (a (sig, Group) or None), broadcast."""
+    if inv is None:
+        return node
+    return em.call(torch.div, node, em.lift(inv[1], out, full=False))
+
+
 def _emit_op(em: Emitter, call: GLACall, head: Step, state_groups: list) -> tuple:
     """(call, op, o, final state): chunk_fwd from the initial state the head step decays (if any)."""
     h0 = None
@@ -608,8 +650,8 @@ def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
     total = None
     for c, lfs, is_log in terms:
         node = em.lift(Group(c if not is_log else 1.0, tuple(lfs)), letters, full=False)
-        if is_log:
-            node = em.call(torch.log, node)
+        if is_log:  # in fp32: a bf16 log would round the gate more than the code rounds a
+            node = em.call(torch.log, em.as_float32(node))
             if c != 1.0:
                 node = em.call(torch.mul, node, c)
         total = node if total is None else em.call(torch.add, total, node)
@@ -622,7 +664,7 @@ def _emit_gate(em: Emitter, decay, letters: str, like: fx.Node) -> fx.Node:
 
 
 def _dependencies(last, head) -> list:
-    lfs = [lf for key in ("q", "k", "v") for lf in last[key][1].factors]
+    lfs = [lf for key in ("q", "k", "v", "k_inv", "v_inv") if last[key] is not None for lf in last[key][1].factors]
     if last["decay"] is not None:
         lfs += [lf for _, terms, _ in last["decay"][1][1] for lf in terms]
     deps = [d for lf in lfs for d in (lf.lifted.deps() if lf.lifted is not None else [lf.node])]

@@ -3,6 +3,9 @@
     S_t = S_{t-1} * d_t + k_t (x) v_t        (decay d_t = exp(g_t) over K, or absent)
     o_t = scale * sum_K q_t * S_t
 
+(a decay may also be a factor the graph computes, proven >= 0 by decay_sign.py, and the outer
+product may be divided by a tensor per batch, head or key: ``expand_quotients``)
+
 ``find_steps`` reads every node as a possible state update (``parse_step``); ``chains_of``
 links the updates S_{t-1} -> S_t; ``parse_read`` reads an output element as a query read of a
 state (a single step's read is found among the users of its state: ``read_of_step``). The
@@ -19,7 +22,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..core.algebra import AV, Factor, Mono, comps, factor_vars, make_entry, mono_vars, out_vars
+from ..core.algebra import (
+    AV, Factor, Mono, Opaque, comps, factor_vars, make_entry, mono_vars, out_vars, resolve, sub_mono,
+)
 from ..core.analyzer import Analyzer
 from ..core.assembly import Assembly, find_outputs
 from ..core.match import NearMiss, Reject
@@ -62,6 +67,7 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
     av = an.value(node)
     if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2 or len(av.out) < 2:
         return None
+    av = expand_quotients(an, av)
     out_set = out_vars(av.out)
     terms = av.terms
     if not all(mono_vars(m) <= out_set for m in terms):
@@ -83,6 +89,113 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
     if not _is_outer_product(outer, av.out):
         return None
     return Step(node, av, prev, decay, outer, prev_view)
+
+
+def expand_quotients(an: Analyzer, av: AV) -> AV:
+    """av with a quotient x / y that a term reads whole (a tensor divided by a tensor is an
+    atom to the algebra) read as x * (1 / y): the "inv" factor of y (exp(-L) for y = exp(L)).
+    torchscale's update adds kv / sqrt(scale), an outer product scaled per head; the op takes
+    the factor 1 / y into k or v (see loop._divisors)."""
+    terms = tuple(_expanded_term(an, m, av.out) or m for m in av.terms)
+    return av if terms == av.terms else AV(av.out, terms, av.keep, av.origin, av.root)
+
+
+def _expanded_term(an: Analyzer, m: Mono, out: tuple) -> Optional[Mono]:
+    quotients = [f for f in m[1] if is_full_atom(f, out) and not f.atom.fixed and op_name(f.atom.node) == "div"]
+    if len(quotients) != 1:
+        return None
+    f = quotients[0]
+    node = f.atom.node
+    if len(node.args) != 2 or node.kwargs.get("rounding_mode") is not None:
+        return None
+    parts = [_operand_mono(an, node, x) for x in node.args]
+    if None in parts:
+        return None
+    (cx, fs_x, out_x), (cy, fs_y, out_y) = parts
+    inv = _inverse(fs_y)
+    if inv is None or cy == 0:
+        return None
+    fs_x, inv = _aligned(an, f.idx, out_x, fs_x), _aligned(an, f.idx, out_y, inv)
+    if fs_x is None or inv is None:
+        return None
+    rest = tuple(g for g in m[1] if g is not f)
+    return (m[0] * cx / cy, rest + fs_x + inv)
+
+
+def _aligned(an: Analyzer, target: tuple, entries: tuple, fs: tuple) -> Optional[tuple]:
+    """The factors fs of an operand whose axes are `entries`, on the quotient's variables
+    `target` (right-aligned broadcasting). An operand axis the code merged from parts (a
+    rotary key's K from its halves) is collapsed back onto the quotient's one variable, where
+    every factor indexes those parts together; None where the axes do not line up."""
+    mp: dict = {}
+    off = len(target) - len(entries)
+    for p, e in enumerate(entries):
+        t = target[off + p] if off + p >= 0 else None
+        if e is None:
+            continue
+        if t is None:
+            return None
+        if len(comps(e)) > 1 and len(comps(t)) == 1:
+            fs = _collapsed(fs, comps(e), t)
+            if fs is None:
+                return None
+            continue
+        try:
+            an.unify(t, e, mp)
+        except Opaque:
+            return None
+        if resolve(t, mp) != t:
+            return None  # the quotient's own variable would be split
+    return tuple(sub_mono((1.0, fs), mp)[1])
+
+
+def _collapsed(fs: tuple, parts: tuple, var: int) -> Optional[tuple]:
+    """fs with the merged entry `parts` replaced by `var`; None where a factor indexes only
+    some of the parts (or reads them inside an exponent)."""
+    res = []
+    for f in fs:
+        idx = []
+        for ent in f.idx:
+            c = comps(ent)
+            if c == parts:
+                idx.append(var)
+            elif set(c) & set(parts):
+                return None
+            else:
+                idx.append(ent)
+        if f.inner and set(parts) & factor_vars(f):
+            return None
+        res.append(Factor(f.kind, tuple(idx), f.atom, f.node, f.negate, f.inner, f.lower, f.diagonal))
+    return tuple(res)
+
+
+def _operand_mono(an: Analyzer, div: fx.Node, x) -> Optional[tuple]:
+    """(coef, factors, out) of one operand of a division read as a product (fresh variables),
+    or None where it is a sum or not a tensor."""
+    if not isinstance(x, fx.Node) or an.versions.get((div, x), x) is not x:
+        return None
+    av = an.value(x)
+    if av is None or av.keep is not None:
+        return None
+    if an.cuts(x, av):
+        av = an.cut_av(x, av)
+    if av is None or len(av.terms) != 1:
+        return None
+    av = an.instantiate(av)
+    return av.terms[0][0], av.terms[0][1], av.out
+
+
+def _inverse(fs: tuple) -> Optional[tuple]:
+    """The factors of 1 / prod(fs): an atom a becomes inv(a), exp(L) becomes exp(-L)."""
+    res = []
+    for f in fs:
+        if f.kind == "atom":
+            res.append(Factor("inv", f.idx, atom=f.atom))
+        elif f.kind == "exp":
+            res.append(Factor("exp", f.idx, inner=tuple((-c, g) for c, g in f.inner)))
+        else:
+            return None
+    return tuple(res)
 
 
 def _decay_term(terms: tuple, full: list) -> Optional[int]:
@@ -236,13 +349,32 @@ def parse_read(an: Analyzer, node: fx.Node, states: dict) -> Optional[Read]:
     sf = sf[0]
     summed = mono_vars(av.terms[0]) - out_vars(av.out)
     if len(summed) > 1:
-        return None
+        fs = _one_summed_axis(an, fs, sf, summed)
+        if fs is None:
+            return None
+        sf = next(f for f in fs if f.kind == "atom" and f.atom.node in states and not f.atom.fixed)
+        summed = mono_vars((coef, fs)) - out_vars(av.out)
     # the sum over K; nothing is summed where K has size 1 (q_t * S_t: K is a size-1 axis
     # of the state, which one state_roles decides)
     kvar = next(iter(summed), None)
     if kvar is not None and sf.idx.count(kvar) != 1 or kvar is None and None not in sf.idx:
         return None
     return Read(node, av, sf.atom.node, sf, kvar, [f for f in fs if f is not sf], coef)
+
+
+def _one_summed_axis(an: Analyzer, fs: tuple, sf: Factor, summed: set) -> Optional[tuple]:
+    """A read summed over the parts of one merged axis of the state (a rotary query, whose K
+    the code stacked from halves, splits the state's K to match) read as summed over that
+    axis, one variable: the factors with the parts collapsed; None for other sums."""
+    parts = next((comps(e) for e in sf.idx if set(comps(e)) == summed and len(comps(e)) > 1), None)
+    if parts is None:
+        return None
+    size = 1
+    for c in parts:
+        if not isinstance(an.sizes[c], int):
+            return None
+        size *= an.sizes[c]
+    return _collapsed(fs, parts, an.fresh(size))
 
 
 # ---- the steps of a graph ---------------------------------------------------------------
