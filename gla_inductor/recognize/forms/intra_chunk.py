@@ -88,9 +88,11 @@ def seeds(an: Analyzer) -> dict:
 
 def _roles(an: Analyzer, av: AV, term) -> Optional[Roles]:
     coef, fs = term
-    # a decay table held in module state (a buffer computed once from per-head slopes) is a
-    # factor of the decay like a mask, not a fourth input
-    atoms = [f for f in fs if f.kind == "atom" and not an.consts.is_static(f.atom.node)]
+    # a decay table held in module state (a buffer computed once from per-head slopes), or a
+    # power gamma ** n of a tensor to constant exponents, is a factor of the decay like a mask,
+    # not a fourth input (the certificate reads gamma as the gate)
+    atoms = [f for f in fs if f.kind == "atom" and not an.consts.is_static(f.atom.node)
+             and not power_decay(an, f.atom.node)]
     data = {id(f) for f in atoms}
     decays = [f for f in fs if id(f) not in data and f.kind in ("exp", "const", "tri", "atom")]
     if len(atoms) != 3 or not decays:
@@ -127,6 +129,17 @@ def _roles(an: Analyzer, av: AV, term) -> Optional[Roles]:
     if len(batch) > 2:
         return None
     return Roles(q, k, v, i, j, c, kk, vv, batch)
+
+
+def power_decay(an: Analyzer, n: fx.Node) -> bool:
+    """n is gamma ** e: a tensor raised to constant exponents (positions, distances), the decay
+    written as a power of a per-head tensor rather than as exp (opaque to the normal form)."""
+    while op_name(n) in VIEW_OPS and n.all_input_nodes:
+        n = n.all_input_nodes[0]
+    if op_name(n) != "pow" or len(n.args) < 2 or not isinstance(n.args[0], fx.Node):
+        return False
+    e = n.args[1]
+    return an.consts.is_const(e) if isinstance(e, fx.Node) else isinstance(e, (int, float))
 
 
 def _chunk_var(f: Factor, pos: int) -> Optional[int]:
