@@ -23,6 +23,7 @@ from ..core.analyzer import Analyzer
 from ..core.consts import example_value
 from ..core.match import Reject
 from ..core.op_names import VIEW_OPS, op_name
+from .symbolic_chunks import check_static
 
 
 @dataclass
@@ -152,13 +153,12 @@ def _chunk_var(f: Factor, pos: int) -> Optional[int]:
 
 
 def role_sizes(an: Analyzer, r: Roles) -> dict:
-    def size(x):
-        s = an.sizes[x]
-        if not isinstance(s, int):
-            raise Reject("the chunked form has symbolic sizes (it is certified at static sizes)")
-        return s
-
-    sizes = {"b": 1, "h": 1, "k": size(r.kk), "v": size(r.vv), "t": size(r.i) * (size(r.c) if r.c is not None else 1)}
+    """Each role's size; Reject where any is symbolic (``symbolic_chunks.py`` says why)."""
+    variables = {"bh"[n]: x for n, x in enumerate(r.batch)}
+    variables.update({"k": r.kk, "v": r.vv, "c": r.c, "i": r.i})
+    check_static(an, variables)
+    sizes = {"b": 1, "h": 1, "k": an.sizes[r.kk], "v": an.sizes[r.vv]}
+    sizes["t"] = an.sizes[r.i] * (an.sizes[r.c] if r.c is not None else 1)
     for n, x in enumerate(r.batch):
-        sizes["bh"[n]] = size(x)
+        sizes["bh"[n]] = an.sizes[x]
     return sizes
