@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from gla_inductor.backend import rewrite
-from helpers import check_rewrite_exact, compile_rewritten, rel_err
+from helpers import check_rewrite_exact, compile_rewritten, rel_err, rewrite_then_eager
 
 B, H, T, C, K, V = 2, 3, 12, 4, 4, 5
 N = T // C
@@ -401,6 +402,49 @@ def test_a_power_decay_of_an_input_is_exact_with_its_gradient():
     assert [(m.form, m.gate) for m in check_rewrite_exact(power_input, args)] == [("chunked", "constant")]
     with pytest.raises(RuntimeError, match="not positive"):  # an input's values are not known when compiling
         compile_rewritten(power_input, args[:3] + [-gamma])
+
+
+def power_chunk_loop(q, k, v, gamma):
+    """A chunk loop with every decay a power of gamma [H] (the decay itself)."""
+    g, i = gamma[:, None, None], torch.arange(C, dtype=q.dtype)
+    decay = (g ** (i[:, None] - i[None, :])).masked_fill(~causal(), 0)
+    S, outs = q.new_zeros(q.shape[0], q.shape[1], K, V), []
+    for s in range(0, q.shape[2], C):
+        qi, ki, vi = q[:, :, s:s + C], k[:, :, s:s + C], v[:, :, s:s + C]
+        outs.append((qi @ ki.transpose(-1, -2) * decay) @ vi + (qi * g ** (i + 1)[:, None]) @ S)
+        S = S * g**C + (ki * g ** (C - 1 - i)[:, None]).transpose(-1, -2) @ vi
+    return torch.cat(outs, 2)
+
+
+def test_a_power_decay_in_a_chunk_loop():
+    """gamma an input: exact with every gradient. gamma a buffer: the loop's decay tables guarded
+    (``table_gate.py``): a changed gamma reaches the op, a negative one raises."""
+    gamma = 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float))
+    args = _inputs()
+    assert rel_err(power_chunk_loop(*[a.double() for a in args], gamma.double()), _naive(*args, gamma.log(), gate="constant")) < 1e-6
+    assert [(m.form, m.gate) for m in check_rewrite_exact(power_chunk_loop, args + [gamma])] == [("chunked", "constant")]
+
+    class Module(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("gamma", gamma.clone())
+
+        def forward(self, q, k, v):
+            return power_chunk_loop(q, k, v, self.gamma)
+
+    mod = Module()
+    counters.clear()
+    fast = torch.compile(mod, backend=rewrite_then_eager, fullgraph=True)
+    for change in (None, lambda x: x.pow_(2)):
+        if change is not None:
+            with torch.no_grad():
+                change(mod.gamma)
+        assert rel_err(fast(*args), _naive(*args, mod.gamma.log(), gate="constant")) < 1e-5
+    assert counters["gla_inductor"]["rewrites_chunked"] == 1
+    with torch.no_grad():
+        mod.gamma.neg_()
+    with pytest.raises(RuntimeError):
+        fast(*args)
 
 
 def test_a_negative_gamma_buffer_is_left_alone():
