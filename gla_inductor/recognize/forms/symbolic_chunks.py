@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..core.analyzer import Analyzer
-from ..core.consts import example_value, size_hint
+from ..core.consts import example_value
 from ..core.match import NearMiss, Reject
 from ..core.op_names import op_name
 
@@ -86,12 +86,14 @@ def _position_squares(an: Analyzer) -> set:
     """Sizes C (at their hints) of the [..., C, C] values that position ops build."""
     res = set()
     for n in an.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
         val = example_value(n)
         if op_name(n) in _RELATIONS or getattr(n.target, "__name__", n.target) in _RELATIONS:
             if isinstance(val, torch.Tensor) and val.dim() >= 2:
-                rows, cols = (size_hint(x) for x in val.shape[-2:])
-                if rows == cols >= 2:
-                    res.add(int(rows))
+                rows, cols = (_hint(x) for x in val.shape[-2:])
+                if rows is not None and rows == cols and rows >= 2:
+                    res.add(rows)
     return res
 
 
@@ -108,9 +110,19 @@ def _cut(n: fx.Node) -> Optional[int]:
         return None
     shape = list(out.shape)
     for a in range(len(shape) - 1):
-        if not isinstance(shape[a], int) and size_hint(shape[a + 1]) >= 2 and _splits(src, shape, a):
-            return int(size_hint(shape[a + 1]))
+        chunk = _hint(shape[a + 1])
+        if not isinstance(shape[a], int) and chunk is not None and chunk >= 2 and _splits(src, shape, a):
+            return chunk
     return None
+
+
+def _hint(x) -> Optional[int]:
+    """A size's value for this example, read without adding a guard; None where it has none (a
+    size that depends on data)."""
+    if isinstance(x, int):
+        return x
+    hint = getattr(x.node, "hint", None)
+    return int(hint) if hint is not None else None
 
 
 def _splits(src: torch.Tensor, shape: list, a: int) -> bool:
