@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from gla_inductor.backend import rewrite
-from helpers import check_rewrite_exact, compile_rewritten, rel_err
+from helpers import check_rewrite_exact, compile_rewritten, rel_err, rewrite_then_eager
 
 B, H, T, C, K, V = 2, 3, 12, 4, 4, 5
 N = T // C
@@ -200,23 +201,52 @@ def no_cross_decay(q, k, v, log_gamma):
     return retention_terms(q, k, v, log_gamma, cross_decay=False)
 
 
+def power_terms(q, k, v, g, cross_decay=True):
+    """The decays as powers of a per-head gamma (g [H, 1, 1, 1], the decay itself): gamma ** (i - j)
+    within a chunk, gamma ** (C n) across chunks (left out with cross_decay=False: a look-alike)."""
+    i, n = torch.arange(C, dtype=q.dtype), torch.arange(N, dtype=q.dtype)
+    D = (g ** (i[:, None] - i[None, :])).masked_fill(~causal(), 0)
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    kv = (kc * g ** (C - 1 - i)[:, None]).transpose(-1, -2) @ vc
+    gn = g ** (C * n)[:, None, None] if cross_decay else torch.ones_like(g)
+    state = exclusive_cat((kv / gn).cumsum(2)) * gn / g**C
+    return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * g ** (i + 1)[:, None]) @ state).flatten(2, 3)
+
+
 class PowerRetention(nn.Module):
-    """The decays as powers of a gamma buffer (gamma ** n): pow of a tensor is opaque to the normal
-    form, so no intra-chunk term is found. Left alone, but not silently."""
+    """Retention with the decays as powers of a gamma buffer (gamma ** n, gamma in (0, 1))."""
 
     def __init__(self):
         super().__init__()
         self.register_buffer("gamma", 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float)))
 
     def forward(self, q, k, v):
-        g = self.gamma[:, None, None, None]
-        i, n = torch.arange(C, dtype=q.dtype), torch.arange(N, dtype=q.dtype)
-        D = (g ** (i[:, None] - i[None, :])).masked_fill(~causal(), 0)
-        qc, kc, vc = chunks(q), chunks(k), chunks(v)
-        kv = (kc * g ** (C - 1 - i)[:, None]).transpose(-1, -2) @ vc
-        gn = g ** (C * n)[:, None, None]
-        state = exclusive_cat((kv / gn).cumsum(2)) * gn / g**C
-        return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * g ** (i + 1)[:, None]) @ state).flatten(2, 3)
+        return power_terms(q, k, v, self.gamma[:, None, None, None])
+
+
+def power_input(q, k, v, gamma):
+    """gamma [H] an input; the powers through the method spelling for the intra-chunk decay."""
+    g = gamma[:, None, None, None]
+    i = torch.arange(C, dtype=q.dtype)
+    D = g.pow(i[:, None] - i[None, :]).masked_fill(~causal(), 0)
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    rest = power_terms(q, k, v, g) - (((qc @ kc.transpose(-1, -2)) * (g ** (i[:, None] - i[None, :])).masked_fill(
+        ~causal(), 0)) @ vc).flatten(2, 3)
+    return (((qc @ kc.transpose(-1, -2)) * D) @ vc).flatten(2, 3) + rest
+
+
+def power_no_cross_decay(q, k, v, gamma):
+    return power_terms(q, k, v, gamma[:, None, None, None], cross_decay=False)
+
+
+def cumprod_decay(q, k, v, gamma):
+    """The decays from a cumulative product of gamma: an op the normal form does not expand."""
+    p, r = (torch.cumprod(x[:, None].expand(H, T), -1)[None, :, :, None] for x in (gamma, 1 / gamma))
+    pc, rc = chunks(p), chunks(r)  # gamma ** (t + 1) and gamma ** -(t + 1), [1, H, N, C, 1]
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    state = exclusive_cat(((kc * rc).transpose(-1, -2) @ vc).cumsum(2))
+    D = (pc * rc.transpose(-1, -2)).masked_fill(~causal(), 0)
+    return (((qc @ kc.transpose(-1, -2)) * D) @ vc + (qc * pc) @ state).flatten(2, 3)
 
 
 def _inputs(gate=None):
@@ -340,15 +370,113 @@ def test_look_alikes_stay_with_the_weight_that_differs(fn, inputs, reason):
     assert rel_err(outs[0], fn(*[a.double() for a in args])) < 1e-5
 
 
-def test_an_opaque_decay_is_reported():
+def test_a_power_decay_is_rewritten_and_follows_gamma():
+    """gamma ** n of a buffer: rewritten with the log gate log(gamma) computed in the graph, so a
+    changed gamma reaches the op without a recompile; gamma is checked positive on every call."""
     mod, args = PowerRetention(), _inputs()
     assert rel_err(mod(*[a.double() for a in args]), _naive(*args, mod.gamma.log(), gate="constant")) < 1e-6
+    assert [(m.form, m.gate) for m in check_rewrite_exact(mod, args)] == [("chunked", "constant")]
+    results = []
+
+    def backend(gm, example_inputs):
+        results.append(rewrite(gm, example_inputs))
+        return gm.forward
+
+    fast = torch.compile(mod, backend=backend, fullgraph=True)
+    assert rel_err(fast(*args), _naive(*args, mod.gamma.log(), gate="constant")) < 1e-5
+    with torch.no_grad():
+        mod.gamma.pow_(2)
+    assert rel_err(fast(*args), _naive(*args, mod.gamma.log(), gate="constant")) < 1e-5
+    assert len(results) == 1 and len(results[0].matches) == 1
+    with torch.no_grad():
+        mod.gamma.neg_()  # gamma ** n is real, exp(n log gamma) is not: the guard raises
+    with pytest.raises(RuntimeError, match="not positive"):
+        fast(*args)
+
+
+def test_a_power_decay_of_an_input_is_exact_with_its_gradient():
+    """gamma an input (the Tensor.pow spelling too): every gradient, gamma's included, as float64 eager."""
+    gamma = 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float))
+    args = _inputs() + [gamma]
+    assert rel_err(power_input(*[a.double() for a in args]), _naive(*args[:3], gamma.log(), gate="constant")) < 1e-6
+    assert [(m.form, m.gate) for m in check_rewrite_exact(power_input, args)] == [("chunked", "constant")]
+    with pytest.raises(RuntimeError, match="not positive"):  # an input's values are not known when compiling
+        compile_rewritten(power_input, args[:3] + [-gamma])
+
+
+def power_chunk_loop(q, k, v, gamma):
+    """A chunk loop with every decay a power of gamma [H] (the decay itself)."""
+    g, i = gamma[:, None, None], torch.arange(C, dtype=q.dtype)
+    decay = (g ** (i[:, None] - i[None, :])).masked_fill(~causal(), 0)
+    S, outs = q.new_zeros(q.shape[0], q.shape[1], K, V), []
+    for s in range(0, q.shape[2], C):
+        qi, ki, vi = q[:, :, s:s + C], k[:, :, s:s + C], v[:, :, s:s + C]
+        outs.append((qi @ ki.transpose(-1, -2) * decay) @ vi + (qi * g ** (i + 1)[:, None]) @ S)
+        S = S * g**C + (ki * g ** (C - 1 - i)[:, None]).transpose(-1, -2) @ vi
+    return torch.cat(outs, 2)
+
+
+def test_a_power_decay_in_a_chunk_loop():
+    """gamma an input: exact with every gradient. gamma a buffer: the loop's decay tables guarded
+    (``table_gate.py``): a changed gamma reaches the op, a negative one raises."""
+    gamma = 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float))
+    args = _inputs()
+    assert rel_err(power_chunk_loop(*[a.double() for a in args], gamma.double()), _naive(*args, gamma.log(), gate="constant")) < 1e-6
+    assert [(m.form, m.gate) for m in check_rewrite_exact(power_chunk_loop, args + [gamma])] == [("chunked", "constant")]
+
+    class Module(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("gamma", gamma.clone())
+
+        def forward(self, q, k, v):
+            return power_chunk_loop(q, k, v, self.gamma)
+
+    mod = Module()
+    counters.clear()
+    fast = torch.compile(mod, backend=rewrite_then_eager, fullgraph=True)
+    for change in (None, lambda x: x.pow_(2)):
+        if change is not None:
+            with torch.no_grad():
+                change(mod.gamma)
+        assert rel_err(fast(*args), _naive(*args, mod.gamma.log(), gate="constant")) < 1e-5
+    assert counters["gla_inductor"]["rewrites_chunked"] == 1
+    with torch.no_grad():
+        mod.gamma.neg_()
+    with pytest.raises(RuntimeError):
+        fast(*args)
+
+
+def test_a_negative_gamma_buffer_is_left_alone():
+    """A buffer that holds a negative gamma when compiling: gamma ** n alternates in sign, which no
+    log gate gives. Not rewritten; the reason says so; the output is the code's own."""
+    mod, args = PowerRetention(), _inputs()
+    with torch.no_grad():
+        mod.gamma[1] = -0.5
     outs, results = compile_rewritten(mod, args)
     assert not [m for r in results for m in r.matches]
     reasons = [n.reason for r in results for n in r.near_misses if n.form == "chunked"]
-    # with the chunk loops' buffer tables read, the intra-chunk term is found and the candidate
-    # fails certification; where it is not found, the unread chunk states are reported
+    assert len(reasons) == 1 and "is not positive everywhere" in reasons[0], reasons
+    assert rel_err(outs[0], mod(*[a.double() for a in args])) < 1e-5
+
+
+def test_a_power_decay_look_alike_names_the_weight():
+    gamma = 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float))
+    args = _inputs() + [gamma]
+    outs, results = compile_rewritten(power_no_cross_decay, args)
+    assert not [m for r in results for m in r.matches]
+    reasons = [n.reason for r in results for n in r.near_misses if n.form == "chunked"]
+    assert len(reasons) == 1 and "is not GLA's" in reasons[0] and "chunk 0 to chunk" in reasons[0], reasons
+    assert rel_err(outs[0], power_no_cross_decay(*[a.double() for a in args])) < 1e-5
+
+
+def test_an_opaque_decay_is_reported():
+    gamma = 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float))
+    args = _inputs() + [gamma]
+    assert rel_err(cumprod_decay(*[a.double() for a in args]), _naive(*args[:3], gamma.log(), gate="constant")) < 1e-6
+    outs, results = compile_rewritten(cumprod_decay, args)
+    assert not [m for r in results for m in r.matches]
+    reasons = [n.reason for r in results for n in r.near_misses if n.form == "chunked"]
     assert len(reasons) == 1, reasons
-    assert ("no reading of the chunked computation as GLA was certified" in reasons[0]
-            or "a chunk state is a cumulative sum over chunks" in reasons[0] and "gamma ** n" in reasons[0]), reasons
-    assert rel_err(outs[0], mod(*args)) < 1e-6
+    assert "a chunk state is a cumulative sum over chunks" in reasons[0] and "cumprod" in reasons[0], reasons
+    assert rel_err(outs[0], cumprod_decay(*[a.double() for a in args])) < 1e-5

@@ -66,6 +66,10 @@ _ANALYTIC = {
     "mul", "div", "add", "sub", "rsub", "neg", "matmul", "bmm", "mm", "einsum", "exp", "exp2", "sum",
     "unsqueeze", "squeeze", "permute", "transpose", "reshape", "t", "identity", "expand", "select",
     "narrow", "unbind", "repeat_interleave", "repeat", "getitem", "tril", "triu",
+    # x ** y is exp(y log x) for x > 0, a polynomial in x for integer y, and NaN for other y
+    # at x < 0, which the certificate rejects; a gate read as the decay itself is drawn
+    # positive, and where its rewrite reads one, the graph checks it positive at run time
+    "pow",
 }
 _ANALYTIC_FNS = {torch.cumsum, torch.cat, torch.stack, torch.split, torch.chunk, F.pad, torch._C._nn.pad, torch.flip}
 _ANALYTIC_METHODS = {"cumsum", "split", "chunk", "flip"}

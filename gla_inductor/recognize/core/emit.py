@@ -132,7 +132,7 @@ class Emitter:
         if letter in self.splits:
             n = 1
             for c in self.splits[letter]:
-                n *= self.size(c)
+                n = self.times(n, self.size(c))
             return n
         s = self.sizes[letter]
         if isinstance(s, tuple):
@@ -142,6 +142,14 @@ class Emitter:
                 return val
             return self.call("size", node, axis, op="call_method")
         return s
+
+    def times(self, a, b):
+        """a * b for sizes that are ints or nodes of symbolic sizes (dynamic=True)."""
+        if isinstance(a, int) and isinstance(b, int):
+            return a * b
+        if isinstance(a, int) and a == 1 or isinstance(b, int) and b == 1:
+            return b if isinstance(a, int) else a
+        return self.call(operator.mul, a, b)
 
     def split_letters(self, letters: str) -> str:
         return "".join(self.splits.get(c, c) for c in letters)
@@ -244,7 +252,7 @@ class Emitter:
             for g in groups:
                 n = 1
                 for c in g:
-                    n = n * self.size(c) if c != "1" else n
+                    n = self.times(n, self.size(c)) if c != "1" else n
                 sizes.append(n)
             return self.call("reshape", node, *sizes, op="call_method")
         idx = tuple(slice(None) if c in keep else None for c in flat)

@@ -40,7 +40,7 @@ _METHODS = {
     "tril": "tril", "triu": "triu", "select": "select", "narrow": "narrow", "unbind": "unbind",
     "view_as": "reshape", "reshape_as": "reshape", "__getitem__": "getitem",
     "flatten": "reshape", "unflatten": "reshape", "repeat_interleave": "repeat_interleave",
-    "repeat": "repeat",
+    "repeat": "repeat", "pow": "pow", "__pow__": "pow",
 }
 
 # Ops whose value is their operand's, re-indexed: their abstract value keeps the operand's root.

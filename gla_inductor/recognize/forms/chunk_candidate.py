@@ -20,6 +20,7 @@ from ..core.analyzer import Analyzer
 from ..core.consts import example_value, is_inplace, written_args
 from ..core.emit import Emitter, LFactor
 from ..core.match import Match, Reject
+from . import positive_gate
 from .cumsum_chunks import cumulative
 from .grouped_heads import shared_qk
 
@@ -188,10 +189,13 @@ def match_of(an: Analyzer, spec: Spec, in_graph_gate=None) -> Match:
             raise Reject("the initial state is overwritten in place while gradients are needed")
 
     shared = shared_qk(an, spec, anchor)
+    guard = in_graph_gate is None and positive_gate.needs_guard(an, spec)
 
     def apply(txn) -> None:
         em = Emitter(txn, anchor, spec.sizes, spec.splits)
         emitted = spec
+        if guard:
+            positive_gate.emit_guard(em, spec.g.node)
         if in_graph_gate is not None:
             g = in_graph_gate(em)
             letters = "h" if spec.sizes["h"] != 1 else "1"

@@ -31,7 +31,7 @@ from ..core.match import Match, NearMiss, Reject
 from ..core.op_names import op_name
 from ..certify.certificate import CertificateTooLarge
 from ..certify.spec import Spec
-from . import chunk_loop, parallel
+from . import chunk_loop, parallel, symbolic_chunks
 from .chunk_candidate import complete, match_of, readings
 from .cumsum_chunks import diagnose, unread_states
 from .intra_chunk import Roles, may_hold_chunks, role_sizes, seeds
@@ -61,7 +61,7 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         except Reject as e:
             near.append(NearMiss("chunked", str(e), [out]))
     if not matches and not near:
-        near += unread_states(an)
+        near += unread_states(an) or symbolic_chunks.time_cuts(an)
     return matches, near
 
 

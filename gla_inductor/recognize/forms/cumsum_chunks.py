@@ -44,6 +44,7 @@ PROBE_CHUNK_DECAY = 0.5  # the decay over one chunk the gate is held at while di
 PROBE_CHUNKS = 4  # chunks whose pairwise weights are measured (enough to see a shift by one)
 PROBE_RUNS = 8  # runs of the subgraph a diagnosis may take (each fills V key positions)
 PROBE_TOL = 1e-5  # relative; the code's float32 constants carry their rounding
+MAX_DIAGNOSED = 8  # readings a diagnosis probes, to find the one nearest GLA
 
 
 def cumulative(n: fx.Node) -> bool:
@@ -78,8 +79,8 @@ def _sums_products(an: Analyzer, x: fx.Node, depth: int = 3) -> bool:
 
 UNREAD = ("a chunk state is a cumulative sum over chunks of k^T v per chunk, but no output was found that reads "
           "q, k and v under a decay or mask: expected an intra-chunk term q k^T D v whose decay D is built "
-          "from exp, masks and constants; found none (a decay written as a power of a tensor, gamma ** n, or "
-          "with another op the recognizer does not expand, is opaque to it)")
+          "from exp, powers, masks and constants; found none (a decay computed with an op the recognizer does "
+          "not expand, such as cumprod, is opaque to it)")
 
 
 def _per_chunk_product(av, term) -> bool:
@@ -99,10 +100,13 @@ def _per_chunk_product(av, term) -> bool:
 
 
 def diagnose(an: Analyzer, readings, chunk: int) -> Optional[str]:
-    """Why the first reading whose inputs explain the computation is not GLA, as the first pair
-    of positions whose weight differs from GLA's; None when no reading can be probed or all
-    weights agree (the failure lies elsewhere, e.g. in how q or v enter)."""
-    for spec in readings:
+    """Why the computation is not GLA, as the first pair of positions whose weight differs from
+    GLA's, under the probed reading (of the first MAX_DIAGNOSED) whose weights differ at the
+    fewest pairs: a decay gamma read as a log gate differs everywhere, read as the decay itself
+    only where the code is wrong. None when no reading can be probed or one agrees everywhere
+    (the failure lies elsewhere, e.g. in how q or v enter)."""
+    best = None
+    for spec in itertools.islice(readings, MAX_DIAGNOSED):
         if spec.gate == "fit":
             spec = fitted_gamma(an, spec)
             if spec is None:
@@ -110,8 +114,12 @@ def diagnose(an: Analyzer, readings, chunk: int) -> Optional[str]:
         weights = _weights(an, spec, chunk)
         if weights is None:
             continue
-        return _first_difference(*weights, chunk)
-    return None
+        found = _first_difference(*weights, chunk)
+        if found is None:
+            return None
+        if best is None or found[0] < best[0]:
+            best = found
+    return None if best is None else best[1]
 
 
 def _weights(an: Analyzer, spec: Spec, chunk: int):
@@ -191,7 +199,8 @@ def _expected(spec: Spec, h: int, tp: int, chunk: int) -> torch.Tensor:
     return torch.where(dist >= 0, w, torch.zeros((), dtype=torch.float64))
 
 
-def _first_difference(found: torch.Tensor, expected: torch.Tensor, chunk: int) -> Optional[str]:
+def _first_difference(found: torch.Tensor, expected: torch.Tensor, chunk: int) -> Optional[tuple]:
+    """(pairs that differ, the first difference said in words); None where none does."""
     bad = ~torch.isclose(found, expected, rtol=PROBE_TOL, atol=PROBE_TOL * expected.abs().max().item())
     if not bool(bad.any()):
         return None
@@ -201,7 +210,7 @@ def _first_difference(found: torch.Tensor, expected: torch.Tensor, chunk: int) -
     ci, cj = i // chunk, j // chunk
     where = (f"the output at position {i} (chunk {ci}) weighs the key at position {j} (chunk {cj}) "
              f"by {got:.4g}, expected {want:.4g}")
-    return f"{where}: {_why(i, j, ci, cj, got, want)}"
+    return int(bad.sum()), f"{where}: {_why(i, j, ci, cj, got, want)}"
 
 
 def _why(i: int, j: int, ci: int, cj: int, got: float, want: float) -> str:

@@ -23,6 +23,7 @@ from ..core.analyzer import Analyzer
 from ..core.consts import example_value
 from ..core.match import Reject
 from ..core.op_names import VIEW_OPS, op_name
+from .symbolic_chunks import check_static
 
 
 @dataclass
@@ -88,9 +89,11 @@ def seeds(an: Analyzer) -> dict:
 
 def _roles(an: Analyzer, av: AV, term) -> Optional[Roles]:
     coef, fs = term
-    # a decay table held in module state (a buffer computed once from per-head slopes) is a
-    # factor of the decay like a mask, not a fourth input
-    atoms = [f for f in fs if f.kind == "atom" and not an.consts.is_static(f.atom.node)]
+    # a decay table held in module state (a buffer computed once from per-head slopes), or a
+    # power gamma ** n of a tensor to constant exponents, is a factor of the decay like a mask,
+    # not a fourth input (the certificate reads gamma as the gate)
+    atoms = [f for f in fs if f.kind == "atom" and not an.consts.is_static(f.atom.node)
+             and not power_decay(an, f.atom.node)]
     data = {id(f) for f in atoms}
     decays = [f for f in fs if id(f) not in data and f.kind in ("exp", "const", "tri", "atom")]
     if len(atoms) != 3 or not decays:
@@ -129,6 +132,17 @@ def _roles(an: Analyzer, av: AV, term) -> Optional[Roles]:
     return Roles(q, k, v, i, j, c, kk, vv, batch)
 
 
+def power_decay(an: Analyzer, n: fx.Node) -> bool:
+    """n is gamma ** e: a tensor raised to constant exponents (positions, distances), the decay
+    written as a power of a per-head tensor rather than as exp (opaque to the normal form)."""
+    while op_name(n) in VIEW_OPS and n.all_input_nodes:
+        n = n.all_input_nodes[0]
+    if op_name(n) != "pow" or len(n.args) < 2 or not isinstance(n.args[0], fx.Node):
+        return False
+    e = n.args[1]
+    return an.consts.is_const(e) if isinstance(e, fx.Node) else isinstance(e, (int, float))
+
+
 def _chunk_var(f: Factor, pos: int) -> Optional[int]:
     """c where f's time axis is the merged (c, pos): chunk c, position pos within it."""
     for e in f.idx:
@@ -139,13 +153,12 @@ def _chunk_var(f: Factor, pos: int) -> Optional[int]:
 
 
 def role_sizes(an: Analyzer, r: Roles) -> dict:
-    def size(x):
-        s = an.sizes[x]
-        if not isinstance(s, int):
-            raise Reject("the chunked form has symbolic sizes (it is certified at static sizes)")
-        return s
-
-    sizes = {"b": 1, "h": 1, "k": size(r.kk), "v": size(r.vv), "t": size(r.i) * (size(r.c) if r.c is not None else 1)}
+    """Each role's size; Reject where any is symbolic (``symbolic_chunks.py`` says why)."""
+    variables = {"bh"[n]: x for n, x in enumerate(r.batch)}
+    variables.update({"k": r.kk, "v": r.vv, "c": r.c, "i": r.i})
+    check_static(an, variables)
+    sizes = {"b": 1, "h": 1, "k": an.sizes[r.kk], "v": an.sizes[r.vv]}
+    sizes["t"] = an.sizes[r.i] * (an.sizes[r.c] if r.c is not None else 1)
     for n, x in enumerate(r.batch):
-        sizes["bh"[n]] = size(x)
+        sizes["bh"[n]] = an.sizes[x]
     return sizes
