@@ -24,11 +24,12 @@ import torch.fx as fx
 
 from ..core.algebra import Factor, factor_vars
 from ..core.analyzer import Analyzer
+from ..core.consts import example_value
 from ..core.emit import Emitter, Group, lfactor
 from ..core.match import Reject
 from . import static_decay
 # the evaluation and the GLA check of a static decay, shared (not copied) with static_decay.py
-from .static_decay import RTOL, _check, _evaluate, _factor_value, _perturbed_state
+from .static_decay import RTOL, _check, _evaluate, _factor_value, _lift_at, _perturbed_state, _unit_at
 from .parallel_decay import Gate
 
 
@@ -54,13 +55,56 @@ def gate(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict,
             em.memo[key] = em.lift(Group(1.0, tuple(atoms)), "ht", full=False)
         return em.memo[key]
 
-    def emit_gamma(em: Emitter) -> fx.Node:  # log D[h, 1, 0] - log D[h, 1, 1] (row 0 reversed)
-        log_d = static_decay.emit_log_gate(em, an, factors, i, j, letter, reverse)
-        row = em.call(torch.select, emit_row(em), 1, 0 if reverse else 1)
-        return em.call(torch.sub, log_d, em.call(torch.log, row))
+    span = _span(an, D, i, atoms, reverse)
+
+    def emit_gamma(em: Emitter) -> fx.Node:  # (log D[h, s, 0] - log D[h, s, s]) / s (rows 0 reversed)
+        log_d = _emit_log_at(em, an, factors, {i: 0, j: span} if reverse else {i: span, j: 0}, letter)
+        row = em.call(torch.select, emit_row(em), 1, 0 if reverse else span)
+        return em.call(torch.div, em.call(torch.sub, log_d, em.call(torch.log, row)), float(span))
 
     reads = [g.atom.node for f in factors for g in static_decay._atoms_of(f)]
     return Gate("constant", [], reads=reads, emit=emit_gamma, row=emit_row), reverse
+
+
+def _span(an: Analyzer, D: torch.Tensor, i: int, carriers: list, reverse: bool) -> int:
+    """The steps s the gate is read over, gamma ** s = D[s, 0] / D[s, s]: a scaled mask holds
+    gamma ** n only to its dtype's rounding, so reading one step (s = 1) would put that rounding
+    into every step of the op's decay (a relative error growing with T); over s steps it is divided
+    by s. The longest span whose entries stay well inside the mask's dtype (all heads), and 1 where
+    the length is symbolic (the graph serves other lengths)."""
+    if not isinstance(an.sizes[i], int):
+        return 1
+    dtype = example_value(carriers[0].node).dtype
+    bound = torch.finfo(dtype).tiny ** 0.5 if dtype.is_floating_point else 1e-19
+    D3 = _as_3d(D)
+    entries = D3[:, 0, :] if reverse else D3[:, :, 0]  # D[0, n] (D[n, 0]): c * gamma ** n
+    powers = entries / (D3[:, 0, :1] if reverse else D3.diagonal(dim1=-2, dim2=-1))  # gamma ** n
+    ok = ((powers > bound) & (powers < 1 / bound) & (entries > bound)).all(0)
+    ok[0] = True
+    bad = (~ok).nonzero()
+    return max(1, (int(bad[0]) if len(bad) else D3.shape[-1]) - 1)
+
+
+def _emit_log_at(em: Emitter, an: Analyzer, factors: list, at: dict, letter: dict) -> fx.Node:
+    """log D[h, at] from the user's factors in the graph (static_decay.emit_log_gate, at other
+    positions than (1, 0))."""
+    total, constant = None, 0.0
+    for f in factors:
+        if f.kind == "tri" or f.kind == "const" and _unit_at(an, f, at):
+            continue  # a mask: 1 where the gate is read (checked with the whole decay)
+        if f.kind == "exp":
+            for c, gs in f.inner:
+                node = _lift_at(em, an, gs, at, letter, c)
+                if isinstance(node, float):
+                    constant += node
+                elif node is not None:
+                    total = node if total is None else em.call(torch.add, total, node)
+            continue
+        node = em.call(torch.log, _lift_at(em, an, (f,), at, letter, 1.0))
+        total = node if total is None else em.call(torch.add, total, node)
+    if total is None:
+        raise Reject("the decay's gate could not be read from the graph")
+    return em.call(torch.add, total, constant) if constant else total
 
 
 def _as_3d(D: torch.Tensor) -> torch.Tensor:
