@@ -222,7 +222,7 @@ def test_torchscale_through_inductor_with_gradients():
 
 
 @pytest.mark.parametrize("name, buffer", [("torchscale", "rel_pos.decay"), ("power", "gamma"),
-                                          ("tril_exp_tril", "log_gamma")])
+                                          ("tril_exp_tril", "log_gamma"), ("row_normalized_mask", "rel_pos.decay")])
 def test_buffer_changed_after_compiling(name, buffer):
     """The gate is read from the buffer in the graph: new decays reach the op, no recompile."""
     module = SPELLINGS[name]()

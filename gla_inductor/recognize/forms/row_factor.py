@@ -11,8 +11,9 @@ decay (its diagonal is not 1); here it is evaluated again (float64, at the buffe
 perturbed as there) and divided by its diagonal, c[h, i] = D[h, i, i], which must leave
 gamma ** (i - j) on the triangle. A factor of the key's column only (D[i, j] = c_j gamma ** (i - j))
 or anything else is left alone with the reason. In the graph the rewrite computes c as the
-diagonal of the user's own mask tensors and g_gamma = log D[h, 1, 0] - log D[h, 1, 1], so a
-buffer changed after compiling reaches the op, as for unscaled static decays.
+diagonal of the user's own mask tensors and g_gamma = (log D[h, s, 0] - log D[h, s, s]) / s over
+a span s of steps (``_span``), so a buffer changed after compiling reaches the op, as for
+unscaled static decays.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _span(an: Analyzer, D: torch.Tensor, i: int, carriers: list, reverse: bool) 
     if not isinstance(an.sizes[i], int):
         return 1
     dtype = example_value(carriers[0].node).dtype
-    bound = torch.finfo(dtype).tiny ** 0.5 if dtype.is_floating_point else 1e-19
+    # (a quarter of the dtype's exponent range: room for decays a changed buffer makes faster)
+    bound = torch.finfo(dtype).tiny ** 0.25 if dtype.is_floating_point else 1e-9
     D3 = _as_3d(D)
     entries = D3[:, 0, :] if reverse else D3[:, :, 0]  # D[0, n] (D[n, 0]): c * gamma ** n
     powers = entries / (D3[:, 0, :1] if reverse else D3.diagonal(dim1=-2, dim2=-1))  # gamma ** n
