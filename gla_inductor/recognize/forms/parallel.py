@@ -91,7 +91,10 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
     insts, norm_near = _normalized(an)
     for n in (n for n in insts if n not in cands):  # (A / N) @ v: no candidate of its own
         r = analyze(an, n)
-        matches.append(r) if isinstance(r, Match) else near.append(NearMiss("parallel", str(r), [n]))
+        if isinstance(r, Match):
+            matches.append(r)
+        else:
+            near.append(NearMiss("parallel", str(r), [n]))
     reported = {n for nm in norm_near for n in nm.nodes} | {x for i in insts.values() for x in (i.scores, *i.nodes())}
     return matches, near + norm_near + _not_candidates(an, cands, reported)
 
@@ -740,9 +743,9 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, heads: "
         o = em.call(operator.getitem, op, 0)
         o = plan.split(em, txn, o) if plan is not None else o
         out = em.relayout(o, heads.op_axes("bthv"), out_groups)
-        if plan is not None:  # (after the user's divisor, which reads the row sums)
-            out = plan.divide(Emitter(txn, node, sizes, heads.splits()), out, out_groups)
-        txn.replace_all_uses(node, em.cast_like(out, node))
+        late = em if plan is None else Emitter(txn, node, sizes, heads.splits())  # (after the user's divisor)
+        out = plan.divide(late, out, out_groups) if plan is not None else out
+        txn.replace_all_uses(node, late.cast_like(out, node))
         for f in finals:
             ht = em.relayout(em.call(operator.getitem, op, 1), heads.op_axes("bhkv"), f.groups)
             if f.coef != 1.0:
