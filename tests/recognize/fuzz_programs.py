@@ -681,8 +681,8 @@ def render_parallel(c: dict, layout: Layout, params: list) -> str:
     _scores(src, c, "n" if flat else "bh")
     if c["scale"] == "scores":
         src("A = A * scale")
-    if c["mutation"] == "normalized":
-        src("A = A / (A.sum(-1, keepdim=True) + 1e-6)")
+    if c["mutation"] == "normalized":  # (by A's own row sums it is GLA: forms/normalized.py rewrites it)
+        src("A = A / (A.abs().sum(-1, keepdim=True) + 1e-6)")
     if c["mutation"] == "shared_heads":
         src("A = A.sum(1, keepdim=True)  # one score matrix for all heads")
     src(f"o = {_contract(c['out'], 'A', 'v', 'ij,{b}jv->{b}iv', 'n' if flat else 'bh')}")

@@ -14,10 +14,11 @@ RetNet's per-head decays), built one of these ways:
 
 applied to the scores as a product or as the third einsum operand ('bhqd,bhkd,hqk->bhqk'), in
 head-first [B, H, T, D] or [B, T, H, D] layouts, q and k optionally with fewer heads than v.
-Look-alikes that must not be rewritten: the mask strict (shifted by one: D[i, i] = 0), the decay
-scaled per head (gamma ** (i - j - 1)), no mask (non-causal), a negative base (the sign of the
-decay alternates). A decay growing instead (gamma ** (j - i) on the triangle, a positive log
-gate) is GLA of other gates: ``equivalent``.
+Look-alikes that must not be rewritten: the mask strict (shifted by one: D[i, i] = 0), no mask
+(non-causal), a negative base (the sign of the decay alternates). A decay growing instead
+(gamma ** (j - i) on the triangle, a positive log gate) is GLA of other gates, and one scaled per
+head (gamma ** (i - j - 1), a factor of every query row, foldable into q) GLA of another q:
+``equivalent`` (rewritten where the factor is held by a tensor, forms/row_factor.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from fuzz_programs import SPREADS, Program, Src, dims, emit_spread
 DECAYS = ["power", "power_abs", "inf_exp_nan", "exp2", "exp_tril_ones", "tril_exp_tril"]
 APPLIES = ["product", "einsum3", "einsum_then"]
 RETENTION_MUTATIONS = {
-    "near": ["strict", "scaled", "noncausal", "negative_base"],
-    "equivalent": ["growth"],
+    "near": ["strict", "noncausal", "negative_base"],
+    "equivalent": ["growth", "scaled"],
 }
 
 

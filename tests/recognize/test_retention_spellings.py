@@ -4,9 +4,10 @@ upper triangle zeroed, a cached helper, ``exp(tril(d)) * tril(ones)`` and ``d.tr
 base-2 decays, the decay as a third einsum operand. The decay depends only on positions and
 buffers: it is evaluated, checked to be gamma_h ** (i - j) on the causal triangle, and the op's
 constant gate is read from it in the graph (so a buffer changed after compiling is honoured).
-Each is rewritten once and equals float64 eager. Look-alikes (row-normalized masks, non-causal
-or shifted masks, a decay that is not a power of i - j) stay code, with a reason that says which
-fact failed."""
+A mask whose rows are scaled (torchscale divides each by the root of its sum) is the same with a
+factor per query, folded into q. Each is rewritten once and equals float64 eager. Look-alikes
+(non-causal or shifted masks, a decay that is not a power of i - j, scores normalized by the row
+sums of their absolute values) stay code, with a reason that says which fact failed."""
 
 import copy
 import functools
@@ -178,6 +179,8 @@ SPELLINGS = {
     "anti_causal": lambda: AntiCausal(),
     "positions_cast_like_q": lambda: PositionsLikeQ(),
     "mask_precomputed_in_a_buffer": lambda: PrecomputedMask(),  # (defined with the look-alikes)
+    # each row divided by the root of its sum (torchscale's mask): a row factor, folded into q
+    "row_normalized_mask": lambda: TorchscaleRetention(normalize=True),
 }
 
 
@@ -220,7 +223,7 @@ def test_torchscale_through_inductor_with_gradients():
 
 
 @pytest.mark.parametrize("name, buffer", [("torchscale", "rel_pos.decay"), ("power", "gamma"),
-                                          ("tril_exp_tril", "log_gamma")])
+                                          ("tril_exp_tril", "log_gamma"), ("row_normalized_mask", "rel_pos.decay")])
 def test_buffer_changed_after_compiling(name, buffer):
     """The gate is read from the buffer in the graph: new decays reach the op, no recompile."""
     module = SPELLINGS[name]()
@@ -378,15 +381,13 @@ class PrecomputedMask(nn.Module):
 
 
 NEAR_MISSES = {
-    "row_normalized_mask": (lambda: TorchscaleRetention(normalize=True),
-                            "decay D[i, i] is 0.7127 (at i=1), expected 1: the decay is scaled per query"),
     "non_causal": (NonCausal, "decay D[i, j] for j > i is 0.9688 (at i=0, j=1), expected 0"),
     "shifted_strict": (lambda: Shifted(offset=False), "decay D[i, i] is 0 (at i=0), expected 1"),
     "shifted_by_one": (lambda: Shifted(offset=True),
                        "decay D[i, i] is 1.032 (at i=0), expected 1: the decay is c * gamma ** (i - j)"),
     "not_separable": (NotSeparable, "expected D[1, 0] ** (i - j) = "),
-    "scores_normalized_by_their_row_sums": (lambda: TorchscaleRetention(qk_norm=True),
-                                            "divided by a value computed from them"),
+    "scores_normalized_by_the_row_sums_of_their_absolute_values": (
+        lambda: TorchscaleRetention(qk_norm=True), "the scores q k^T D are read by abs"),
 }
 
 

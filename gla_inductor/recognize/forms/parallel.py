@@ -11,10 +11,13 @@ anti-causal form), and optionally the final state, a separate value
 The mask (tril, triu, masked_fill(-inf), where, 0/1 products) is evaluated concretely and
 must be exactly i >= j or j >= i. The decays are read as cumulative log gates by
 ``parallel_decay.py``; a decay that depends only on positions, constants and module buffers
-(RetNet's masks) is evaluated as a whole by ``static_decay.py``. q and k with fewer heads than
-v, repeated over the heads in the code, reach the op unrepeated (``grouped_heads.head_letters``).
-Left alone with a reason: a decay computed from a function's arguments, scores divided by their
-own row sums, and what discovery finds that is no candidate (``_not_candidates``).
+(RetNet's masks) is evaluated as a whole by ``static_decay.py``, or, scaled per query row
+(torchscale's), by ``row_factor.py``, the row factor folded into q. Scores divided by a function
+of their own row sums are read by ``normalized.py``: the row sums come from the same op call, and
+the rewrite is certified by trial (``certify/trial.py``). q and k with fewer heads than v,
+repeated over the heads in the code, reach the op unrepeated (``grouped_heads.head_letters``).
+Left alone with a reason: a decay computed from a function's arguments, scores read by anything
+but their row sums, and what discovery finds that is no candidate (``_not_candidates``).
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ import torch.fx as fx
 
 from ...contract import GLACall
 from ..core import placement
-from ..core.algebra import AV, Factor, comps, factor_vars, mono_vars, out_vars
+from ..core.algebra import AV, Factor, comps, factor_vars, mono_vars, out_vars, sub_mono
 from ..core.analyzer import Analyzer
 from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
-from ..core.op_names import op_name
-from . import buffer_mask, grouped_heads, periodic, static_decay
+from ..certify import trial
+from . import buffer_mask, grouped_heads, normalized, periodic, row_factor, static_decay
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
@@ -85,8 +88,15 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             covered.add(n)
         elif not any(u in cands and _within(cands[n], cands[u]) for u in n.users):
             near.append(NearMiss("parallel", str(r), [n]))  # (a part of a larger candidate is not one)
-    normalized = _normalized_scores(an)
-    return matches, near + normalized + _not_candidates(an, cands, {n for nm in normalized for n in nm.nodes})
+    insts, norm_near = _normalized(an)
+    for n in (n for n in insts if n not in cands):  # (A / N) @ v: no candidate of its own
+        r = analyze(an, n)
+        if isinstance(r, Match):
+            matches.append(r)
+        else:
+            near.append(NearMiss("parallel", str(r), [n]))
+    reported = {n for nm in norm_near for n in nm.nodes} | {x for i in insts.values() for x in (i.scores, *i.nodes())}
+    return matches, near + norm_near + _not_candidates(an, cands, reported)
 
 
 def _not_candidates(an: Analyzer, cands: dict, reported: set) -> list:
@@ -159,36 +169,6 @@ def _within(a: Candidate, b: Candidate) -> bool:
     return len(names_b) > len(names_a) and all(names_b.count(x) >= names_a.count(x) for x in names_a)
 
 
-NORMALIZED = ("the scores q k^T D are divided by a value computed from them before the product with v "
-              "(a data-dependent normalization of each query's row), not GLA")
-
-
-def _normalized_scores(an: Analyzer) -> list:
-    """Near misses for retention whose scores are normalized by their own row sums (torchscale's
-    qk / |qk|.sum(-1)): the output contracts over time a quotient of scores by data, and v."""
-    found = []
-    for n in an.nodes:
-        av = an.value(n) if op_name(n) in ("matmul", "bmm", "einsum") else None
-        if av is None or len(av.terms) != 1 or len(mono_vars(av.terms[0]) - out_vars(av.out)) != 1:
-            continue
-        atoms = _data_atoms(an, av.terms[0][1])
-        if len(atoms) == 2 and any(_normalized(an, f.atom.node) for f in atoms):
-            found.append(NearMiss("parallel", NORMALIZED, [n]))
-    return found
-
-
-def _normalized(an: Analyzer, x: fx.Node) -> bool:
-    """x = scores / y with y computed from the scores (q k^T contracted over one axis)."""
-    if op_name(x) != "div" or len(x.args) < 2 or not all(isinstance(a, fx.Node) for a in x.args[:2]):
-        return False
-    scores, norm = x.args[:2]
-    av = an.value(scores)
-    if av is None or len(av.terms) != 1 or len(out_vars(av.out)) < 2:
-        return False
-    summed = mono_vars(av.terms[0]) - out_vars(av.out)
-    return len(_data_atoms(an, av.terms[0][1])) == 2 and len(summed) == 1 and depends_on(an, norm, {scores})
-
-
 def proven(an: Analyzer, node: fx.Node) -> bool:
     """Whether `node` is a parallel form this module proves (the chunked form leaves one chunk
     with an initial-state read to it)."""
@@ -199,11 +179,29 @@ def analyze(an: Analyzer, node: fx.Node):
     """The Match of a candidate, or the Reject that says why not (computed once per graph)."""
     results = an.memo.setdefault("parallel_results", {})
     if node not in results:
+        inst = _normalized(an)[0].get(node)
         try:
-            results[node] = _analyze(an, node, _candidates(an)[node])
+            results[node] = (_analyze(an, node, _candidates(an)[node]) if inst is None
+                             else _analyze_normalized(an, node, inst))
         except Reject as e:
             results[node] = e
     return results[node]
+
+
+def _normalized(an: Analyzer) -> tuple:
+    """({attention node: normalized.Normalized}, near misses), found once per graph."""
+    if "parallel_normalized" not in an.memo:
+        an.memo["parallel_normalized"] = normalized.find(an)
+    return an.memo["parallel_normalized"]
+
+
+def _analyze_normalized(an: Analyzer, node: fx.Node, inst) -> Match:
+    """Scores normalized by their row sums: the product with v read with A in place of A / N,
+    analyzed as any candidate, then the whole rewrite certified in float64."""
+    cand = _candidate(an, normalized.virtual_value(an, inst))
+    if cand is None:
+        raise Reject("the normalized scores' product with v is not q k^T D v contracted over time (and K)")
+    return _analyze(an, node, cand, inst)
 
 
 def _candidates(an: Analyzer) -> dict:
@@ -375,7 +373,8 @@ def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
 
 
 # ---- the whole analysis ---------------------------------------------------------------------
-def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
+def _analyze(an: Analyzer, node: fx.Node, cand: Candidate, norm=None) -> Match:
+    cand = _merge_split_key(an, cand)
     av = cand.av
     if len(_data_atoms(an, cand.par[1])) == 4:  # (a candidate only where one is such a decay)
         raise Reject(_input_decay_reason(an, av, cand.par))
@@ -395,12 +394,36 @@ def _analyze(an: Analyzer, node: fx.Node, cand: Candidate) -> Match:
     keys = {r.q.atom.node, r.k.atom.node} | (set(gate.reads) if gate.emit is None else set())
     if depends_on(an, r.v.atom.node, keys):
         raise Reject("the values are computed from the keys or the decay (a delta-rule correction, not an input)")
-    if cand.h0 is not None and gate.emit is not None:
-        raise Reject("an initial-state term beside a decay evaluated from positions and buffers is not read yet")
+    if cand.h0 is not None and (gate.emit is not None or norm is not None):
+        raise Reject("an initial-state term beside a decay evaluated from positions and buffers or beside "
+                     "normalized scores is not read yet")
     h0 = _initial_state(an, cand, r, letter, gate, reverse, T, scalars) if cand.h0 is not None else None
-    final = _final_state(an, node, r, letter, gate, reverse, T, h0)
-    m = _build(an, node, av, r, letter, heads, gate, coef, scalars, h0, final, reverse)
+    final = _final_state(an, node, r, letter, gate, reverse, T, h0) if norm is None else []
+    m = _build(an, node, av, r, letter, heads, gate, coef, scalars, h0, final, reverse, norm)
+    if norm is not None:  # the user's normalizer between the op's row sums and the output: by trial
+        why = trial.certify(an, m, list(dict.fromkeys(x.atom.node for x in (r.q, r.k, r.v))), norm.nodes())
+        if why is not None:
+            raise Reject(f"normalized retention: {why}")
     return buffer_mask.guarded(an, m, gate.emit, [f.atom.node for f in data])
+
+
+def _merge_split_key(an: Analyzer, cand: Candidate) -> Candidate:
+    """The contracted key axis read as one variable where the code split it in parts that q and k
+    both hold whole (a rotary embedding's [.., K / 2, 2] flattened back into K)."""
+    coef, fs = cand.par
+    summed = mono_vars(cand.par) - out_vars(cand.av.out)
+    mp = {}
+    for e in {e for f in fs for e in f.idx if type(e) is tuple and set(e) <= summed}:
+        whole = all(x == e for f in fs for x in f.idx if set(comps(x)) & set(e))
+        sizes = [an.sizes[c] for c in e]
+        if whole and all(f.kind == "atom" or not factor_vars(f) & set(e) for f in fs) and \
+                all(isinstance(n, int) for n in sizes):
+            mp.update({e[0]: an.fresh(math.prod(sizes)), **{c: () for c in e[1:]}})  # () drops a part
+    if not mp:
+        return cand
+    par = sub_mono(cand.par, mp)
+    return Candidate(AV(cand.av.out, tuple(par if m is cand.par else m for m in cand.av.terms), cand.av.keep,
+                        cand.av.origin), par, cand.h0)
 
 
 def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tuple:
@@ -417,7 +440,10 @@ def _read_decay(an: Analyzer, decay: list, r: Roles, letter: dict, T: int) -> tu
                 raise
     if not static_decay.all_static(an, decay):
         raise Reject("the decay mixes a gate input with a mask computed from module state")
-    st, tables = buffer_mask.read(an, decay, r.i, r.j, r.batch, letter)  # tables: to guard at run time
+    try:
+        st, tables = buffer_mask.read(an, decay, r.i, r.j, r.batch, letter)  # tables: to guard at run time
+    except Reject as unscaled:  # unless the decay is GLA's times a factor of each query's row
+        return row_factor.gate(an, decay, r.i, r.j, r.batch, letter, unscaled)
     if st.kind == "none":
         return Gate("none", [], reads=st.reads), st.reverse
     emit = buffer_mask.GuardedGate(an, decay, r.i, r.j, letter, st.reverse, tables)
@@ -661,7 +687,7 @@ def _final_h0(an: Analyzer, m, coef: float, letter: dict, gate: Gate, reverse: b
 
 # ---- the replacement ----------------------------------------------------------------------------
 def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, heads: "grouped_heads.Heads", gate: Gate,
-           coef: float, scalars: list, h0: Optional[LFactor], finals: list, reverse: bool) -> Match:
+           coef: float, scalars: list, h0: Optional[LFactor], finals: list, reverse: bool, norm=None) -> Match:
     def axis(x, tvar) -> tuple:
         """(letters, sizes) of one axis: several letters where the code merged roles (a [B, T, H * K]
         projection viewed as [B, T, H, K] is read through the view, merged)."""
@@ -690,7 +716,10 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, heads: "
     if heads.order:  # the user's heads, of two parts
         shapes["H"] = math.prod(_shape_of(sizes[c]) for c in heads.order)
     scalar_lfs = [LFactor(f.node, "") for f in scalars]
-    anchor = min([node] + [f.node for f in finals], key=an.order.__getitem__)
+    plan = normalized.plan(an, norm, r.q, r.k, r.i, r.j, axis) if norm is not None else None
+    if plan is not None and heads.order:
+        raise Reject("normalized scores with q and k shared by groups of heads are not read yet")
+    anchor = min([node] + [f.node for f in finals] + (norm.nodes() if norm else []), key=an.order.__getitem__)
     deps = [x.node for x in (q, k, v, h0) if x is not None] + [x.node for x in scalar_lfs]
     deps += [lfac.node for _, lfac in gate.terms] + list(gate.reads)
     late = [d.name for d in deps if an.order[d] >= an.order[anchor]]
@@ -700,15 +729,20 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, heads: "
 
     def apply(txn) -> None:
         em = Emitter(txn, anchor, sizes, heads.splits())
-        qn = em.lift(Group(1.0, (q, *scalar_lfs)), heads.qk)
+        qn = row_factor.scale_q(em, em.lift(Group(1.0, (q, *scalar_lfs)), heads.qk), gate.row, heads.qk)
         kn = em.lift(Group(1.0, (k,)), heads.qk)
         vn = em.lift(Group(1.0, (v,)), "bthv")
+        vn = plan.with_ones(em, vn) if plan is not None else vn
         g, g_gamma = _emit_gate(em, gate)
         h0n = em.as_float32(em.lift(Group(1.0, (h0,)), "bhkv")) if h0 is not None else None
         call = GLACall(qn, kn, vn, g, g_gamma, h0n, scale=coef, output_final_state=bool(finals), reverse=reverse)
         op = emit_op(em, call)
         o = em.call(operator.getitem, op, 0)
-        txn.replace_all_uses(node, em.cast_like(em.relayout(o, heads.op_axes("bthv"), out_groups), node))
+        o = plan.split(em, txn, o) if plan is not None else o
+        out = em.relayout(o, heads.op_axes("bthv"), out_groups)
+        late = em if plan is None else Emitter(txn, node, sizes, heads.splits())  # (after the user's divisor)
+        out = plan.divide(late, out, out_groups) if plan is not None else out
+        txn.replace_all_uses(node, late.cast_like(out, node))
         for f in finals:
             ht = em.relayout(em.call(operator.getitem, op, 1), heads.op_axes("bhkv"), f.groups)
             if f.coef != 1.0:
@@ -716,7 +750,9 @@ def _build(an: Analyzer, node: fx.Node, av: AV, r: Roles, letter: dict, heads: "
             txn.replace_all_uses(f.node, em.cast_like(ht, f.node))
 
     options = {"scale": coef, "reverse": reverse, "initial_state": h0 is not None, "final_state": bool(finals)}
-    return Match("parallel", gate.kind, q.letters, shapes, [node] + [f.node for f in finals], apply, options)
+    nodes = [node] + [f.node for f in finals] + (norm.nodes()[1:] if norm else [])
+    covers = norm.covers() if norm else set()
+    return Match("parallel", gate.kind, q.letters, shapes, nodes, apply, options, covers)
 
 
 def _shape_of(s):

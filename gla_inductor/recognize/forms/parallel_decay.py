@@ -63,6 +63,9 @@ class Gate:
     # emit(emitter) -> the log gate, for a gate read from the user's decay in the graph
     # (static_decay.py) rather than from its terms
     emit: Optional[Callable] = None
+    # row(emitter) -> c[h, t], a factor of each query's row that q is multiplied by (a decay
+    # from positions and buffers scaled per row: ``row_factor.py``); None for none
+    row: Optional[Callable] = None
 
 
 def _exponent(an: Analyzer, factors: list, times: dict, letter: dict, T: int) -> Exponent:
