@@ -22,11 +22,11 @@ B, H, T, K, V = 2, 2, 10, 4, 5
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_compiler")
 
 
-def decay_mask(n: int, dtype, scale: str = "rows", reverse: bool = False) -> torch.Tensor:
+def decay_mask(n: int, dtype, scale: str = "rows", reverse: bool = False, device=None) -> torch.Tensor:
     """gamma_h ** (i - j) on j <= i (RetNet's gammas; gamma_h ** (j - i) on j >= i reversed), each
     row divided by the root of its sum (torchscale's), each column so ("columns"), or neither."""
-    pos = torch.arange(n, dtype=dtype)
-    log_gamma = torch.log(1 - 2 ** (-5 - torch.arange(H, dtype=dtype)))
+    pos = torch.arange(n, dtype=dtype, device=device)
+    log_gamma = torch.log(1 - 2 ** (-5 - torch.arange(H, dtype=dtype, device=device)))
     dist = (pos[None, :] - pos[:, None]) if reverse else (pos[:, None] - pos[None, :])
     D = torch.exp(dist.masked_fill(dist < 0, float("inf")) * log_gamma[:, None, None])
     if scale == "rows":
@@ -37,11 +37,11 @@ def decay_mask(n: int, dtype, scale: str = "rows", reverse: bool = False) -> tor
 
 
 def scores(q, k, scale="rows", reverse=False):  # [B, H, T, K]
-    return (q @ k.transpose(-1, -2)) * decay_mask(q.shape[2], q.dtype, scale, reverse)
+    return (q @ k.transpose(-1, -2)) * decay_mask(q.shape[2], q.dtype, scale, reverse, q.device)
 
 
 def scores_seq_first(q, k):  # [B, T, H, K] -> [B, H, T, T]
-    return torch.einsum("bihd,bjhd->bhij", q, k) * decay_mask(q.shape[1], q.dtype)
+    return torch.einsum("bihd,bjhd->bhij", q, k) * decay_mask(q.shape[1], q.dtype, device=q.device)
 
 
 # ---- rewritten ------------------------------------------------------------------------------------
