@@ -265,22 +265,42 @@ def _agree(original, rewritten, shapes: dict, seed: int, gate_is_log: bool = Tru
 
 
 def _f64(x):
-    return torch.float64 if isinstance(x, torch.dtype) and x.is_floating_point else x
+    """An argument for the float64 CPU run: float dtypes as float64, devices as the CPU (the
+    user's code on a GPU creates its zeros and positions there; the certificate's inputs are
+    CPU tensors)."""
+    if isinstance(x, torch.dtype):
+        return torch.float64 if x.is_floating_point else x
+    if isinstance(x, torch.device):
+        return _CPU
+    if isinstance(x, (list, tuple)) and any(isinstance(i, (torch.dtype, torch.device)) for i in x):
+        return type(x)(map(_f64, x))
+    return x
+
+
+def _f64_kwargs(kwargs: dict) -> dict:
+    return {k: _CPU if k == "device" and isinstance(v, str) else _f64(v) for k, v in kwargs.items()}
+
+
+_CPU = torch.device("cpu")
 
 
 class Float64Interpreter(fx.Interpreter):
-    """Runs a graph in float64: casts and factories to other float types go to float64, and
-    the GLA op is the naive reference recurrence."""
+    """Runs a graph in float64 on the CPU: casts and factories to other float types go to
+    float64, devices to the CPU, and the GLA op is the naive reference recurrence."""
 
     def call_function(self, target, args, kwargs):
         if target is torch.ops.gla_inductor.chunk_fwd.default:
             return reference_op(*args, **kwargs)
-        return super().call_function(target, tuple(map(_f64, args)), {k: _f64(v) for k, v in kwargs.items()})
+        return super().call_function(target, tuple(map(_f64, args)), _f64_kwargs(kwargs))
 
     def call_method(self, target, args, kwargs):
         if target in ("float", "half", "bfloat16"):
             target = "double"
-        return super().call_method(target, tuple(map(_f64, args)), {k: _f64(v) for k, v in kwargs.items()})
+        elif target == "cuda":
+            target = "cpu"
+        args = tuple(_CPU if target == "to" and isinstance(a, str) and a.split(":")[0] == "cuda" else _f64(a)
+                     for a in args)
+        return super().call_method(target, args, _f64_kwargs(kwargs))
 
 
 def reference_op(*args, **kwargs) -> tuple:
