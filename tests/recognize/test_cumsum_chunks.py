@@ -418,7 +418,8 @@ def power_chunk_loop(q, k, v, gamma):
 
 def test_a_power_decay_in_a_chunk_loop():
     """gamma an input: exact with every gradient. gamma a buffer: the loop's decay tables guarded
-    (``table_gate.py``): a changed gamma reaches the op, a negative one raises."""
+    (``table_gate.py``): a changed gamma reaches the op; a negative one is no gate's table, and the
+    graph runs the user's loop instead (``fallback.py``), equal to eager."""
     gamma = 1 - 2.0 ** (-2 - torch.arange(H, dtype=torch.float))
     args = _inputs()
     assert rel_err(power_chunk_loop(*[a.double() for a in args], gamma.double()), _naive(*args, gamma.log(), gate="constant")) < 1e-6
@@ -443,8 +444,7 @@ def test_a_power_decay_in_a_chunk_loop():
     assert counters["gla_inductor"]["rewrites_chunked"] == 1
     with torch.no_grad():
         mod.gamma.neg_()
-    with pytest.raises(RuntimeError):
-        fast(*args)
+        assert rel_err(fast(*args), mod(*args)) < 1e-6
 
 
 def test_a_negative_gamma_buffer_is_left_alone():
