@@ -36,7 +36,7 @@ class BufferMask(nn.Module):
 
     @torch.no_grad()
     def retable(self):
-        n = torch.arange(self.mask.shape[-1], dtype=torch.float32)
+        n = torch.arange(self.mask.shape[-1], dtype=torch.float32, device=self.mask.device)
         d = n[:, None] - n[None, :]
         self.mask.copy_(self.gamma[:, None, None] ** d.clamp(min=0) * (d >= 0))
 
