@@ -30,7 +30,7 @@ from ..core.emit import Emitter, Group, lfactor
 from ..core.match import Reject
 from . import static_decay
 # the evaluation and the GLA check of a static decay, shared (not copied) with static_decay.py
-from .static_decay import RTOL, _check, _evaluate, _factor_value, _lift_at, _perturbed_state, _unit_at
+from .static_decay import RTOL, _check, _evaluate, _factor_value, _perturbed_state
 from .parallel_decay import Gate
 
 
@@ -59,7 +59,7 @@ def gate(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict,
     span = _span(an, D, i, atoms, reverse)
 
     def emit_gamma(em: Emitter) -> fx.Node:  # (log D[h, s, 0] - log D[h, s, s]) / s (rows 0 reversed)
-        log_d = _emit_log_at(em, an, factors, {i: 0, j: span} if reverse else {i: span, j: 0}, letter)
+        log_d = static_decay.emit_log_at(em, an, factors, {i: 0, j: span} if reverse else {i: span, j: 0}, letter)
         row = em.call(torch.select, emit_row(em), 1, 0 if reverse else span)
         return em.call(torch.div, em.call(torch.sub, log_d, em.call(torch.log, row)), float(span))
 
@@ -85,28 +85,6 @@ def _span(an: Analyzer, D: torch.Tensor, i: int, carriers: list, reverse: bool) 
     ok[0] = True
     bad = (~ok).nonzero()
     return max(1, (int(bad[0]) if len(bad) else D3.shape[-1]) - 1)
-
-
-def _emit_log_at(em: Emitter, an: Analyzer, factors: list, at: dict, letter: dict) -> fx.Node:
-    """log D[h, at] from the user's factors in the graph (static_decay.emit_log_gate, at other
-    positions than (1, 0))."""
-    total, constant = None, 0.0
-    for f in factors:
-        if f.kind == "tri" or f.kind == "const" and _unit_at(an, f, at):
-            continue  # a mask: 1 where the gate is read (checked with the whole decay)
-        if f.kind == "exp":
-            for c, gs in f.inner:
-                node = _lift_at(em, an, gs, at, letter, c)
-                if isinstance(node, float):
-                    constant += node
-                elif node is not None:
-                    total = node if total is None else em.call(torch.add, total, node)
-            continue
-        node = em.call(torch.log, _lift_at(em, an, (f,), at, letter, 1.0))
-        total = node if total is None else em.call(torch.add, total, node)
-    if total is None:
-        raise Reject("the decay's gate could not be read from the graph")
-    return em.call(torch.add, total, constant) if constant else total
 
 
 def _as_3d(D: torch.Tensor) -> torch.Tensor:

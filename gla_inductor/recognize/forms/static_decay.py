@@ -282,7 +282,11 @@ def _nodes(factors: list) -> list:
 def emit_log_gate(em: Emitter, an: Analyzer, factors: list, i: int, j: int, letter: dict, reverse: bool) -> fx.Node:
     """g_gamma[h] = log D[h, 1, 0] (D[h, 0, 1] reversed), computed from the user's factors in
     the graph: the log of each factor at that point, an exponent read there directly."""
-    at = {i: 0, j: 1} if reverse else {i: 1, j: 0}
+    return emit_log_at(em, an, factors, {i: 0, j: 1} if reverse else {i: 1, j: 0}, letter)
+
+
+def emit_log_at(em: Emitter, an: Analyzer, factors: list, at: dict, letter: dict) -> fx.Node:
+    """log D[h, at] from the user's factors in the graph, at the positions `at` (axis -> index)."""
     total, constant = None, 0.0
     for f in factors:
         if f.kind == "tri" or f.kind == "const" and _unit_at(an, f, at):
