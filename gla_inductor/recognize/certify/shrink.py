@@ -43,6 +43,10 @@ argument, hence F = R at full size. KEEP is 2, not 1: a slip in the table that l
 would then show as a disagreement. A role of size KEEP or less is not reduced (nor tagged).
 On a refusal, the certificate runs at full size within its memory budget, or not at all.
 
+The trial certificate (``trial.py``) runs the same table on both of its modules, the user's and
+the rewritten one: there the GLA op itself is a row (``_gla``: one function per (batch, head) slice
+of its [B, T, H, .] inputs), and so are the elementwise glue its normalizers keep (abs, clamp, log).
+
 Groups (Mamba2's B and C shared by groups of heads) are repeated over heads before the leaves
 of the chunked form (a leaf's axis is one role), so they do not occur inside F and no
 groups-to-heads ratio needs keeping.
@@ -59,6 +63,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...contract import GLACall
 from ..core.consts import example_value
 
 KEEP = 2  # slices kept along each reduced axis: two, so that mixing them would be seen
@@ -227,7 +232,8 @@ class _Shrink:
         if out is None:  # setitem
             return
         if isinstance(out, tuple):
-            self.axes[n] = tuple(self._settle(o, v, n) for o, v in zip(out, val))
+            self.axes[n] = tuple(self._settle(o, v, n) if isinstance(v, torch.Tensor) else None
+                                 for o, v in zip(out, val))
         else:
             self.axes[n] = self._settle(out, val, n)
 
@@ -640,9 +646,9 @@ def _einsum(s: _Shrink, n: fx.Node) -> list:
         axes = s.of(x)
         if len(spec) != len(axes):
             raise Refuse(f"{n.name}: an einsum not understood")
-        if len(set(spec)) != len(spec):
-            raise Refuse(f"{n.name}: an einsum diagonal")
         for c, a in zip(spec, axes):
+            if spec.count(c) > 1:  # a diagonal: within a slice only
+                a = s.plain(a, f"{n.name}'s diagonal")
             by_letter.setdefault(c, []).append(a)
     res = {}
     for c, axes in by_letter.items():
@@ -662,6 +668,34 @@ def _matmul(s: _Shrink, n: fx.Node) -> list:
     batch = _broadcast(s, [a[:-2], b[:-2]], n.name)
     s.plain(s.unify(a[-1], b[-2], n.name), n.name)
     return batch + [a[-2], b[-1]]
+
+
+def _gla(s: _Shrink, n: fx.Node) -> tuple:
+    """The GLA op (in the trial certificate's replacement): each (batch, head) slice of its
+    outputs from that slice of q, k, v [B, T, H, .], the gate, g_gamma [H] and the initial state
+    [B, H, K, V], by one function; along time and features only."""
+    call = GLACall.from_op_args(n.args, n.kwargs)
+    if call.gate.name or call.gate_a is not None or call.gate_bias is not None or call.cu_seqlens is not None:
+        raise Refuse(f"{n.name}: a fused gate or packed sequences")
+    q, k, v = (s.of(x) for x in (call.q, call.k, call.v))
+    if not len(q) == len(k) == len(v) == 4:
+        raise Refuse(f"{n.name}: q, k and v not of rank 4")
+    b, h = q[0], q[2]
+    for x in (k, v) + ((s.of(call.g),) if call.g is not None else ()):
+        s.unify(b, x[0], n.name)
+        s.unify(h, x[2], n.name)
+    for x in (q, k, v) + ((s.of(call.g),) if call.g is not None else ()):
+        for a in [x[1]] + list(x[3:]):
+            s.plain(a, n.name)
+    if call.g_gamma is not None:
+        s.unify(h, s.of(call.g_gamma)[0], n.name)
+    if call.initial_state is not None:
+        h0 = s.of(call.initial_state)
+        s.unify(b, h0[0], n.name)
+        s.unify(h, h0[1], n.name)
+        s.plain(h0[2], n.name)
+        s.plain(h0[3], n.name)
+    return [b, None, h, None], ([b, h, None, None] if call.output_final_state else [None])  # (else shape (0,))
 
 
 def _setitem(s: _Shrink, n: fx.Node) -> None:
@@ -687,15 +721,18 @@ _HANDLERS: dict[str, Callable] = {
     "unsqueeze": _unsqueeze, "squeeze": _squeeze, "reshape": _reshape, "expand": _expand,
     "repeat": _repeat, "repeat_interleave": _repeat_interleave, "getitem": _getitem,
     "select": _select, "narrow": _select, "split": _split, "unbind": _split, "cat": _cat,
-    "stack": _cat, "pad": _pad, "einsum": _einsum, "matmul": _matmul, "setitem": _setitem,
+    "stack": _cat, "pad": _pad, "einsum": _einsum, "matmul": _matmul, "setitem": _setitem, "gla": _gla,
 }
 
 _FUNCTIONS = {
     **dict.fromkeys((operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
                      torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.neg, torch.exp,
-                     torch.exp2, torch.pow, torch.rsub, torch.masked_fill, torch.where), "pointwise"),
+                     torch.exp2, torch.pow, torch.rsub, torch.masked_fill, torch.where,
+                     # (not analytic: only the trial certificate's subgraphs have them)
+                     torch.abs, torch.clamp, torch.clamp_min, torch.clamp_max, torch.log, torch.sqrt,
+                     torch.rsqrt), "pointwise"),
     **dict.fromkeys((operator.iadd, operator.isub, operator.imul, operator.itruediv), "inplace"),
-    torch.clone: "cast", torch.sum: "sum", torch.cumsum: "cumsum", torch.flip: "flip", torch.tril: "tri",
+    torch.clone: "cast", torch.detach: "cast", torch.ones_like: "cast", torch.zeros_like: "cast", torch.sum: "sum", torch.cumsum: "cumsum", torch.flip: "flip", torch.tril: "tri",
     torch.triu: "tri", torch.permute: "permute", torch.transpose: "transpose", torch.swapaxes: "transpose",
     torch.t: "t", torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape",
     torch.flatten: "reshape", torch.unflatten: "reshape", torch.broadcast_to: "expand",
@@ -708,10 +745,11 @@ _FUNCTIONS = {
 _METHODS = {
     **dict.fromkeys(("add", "sub", "mul", "div", "true_divide", "neg", "exp", "exp2", "pow", "rsub", "__add__",
                      "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-                     "__neg__", "__pow__", "masked_fill", "where"), "pointwise"),
+                     "__neg__", "__pow__", "masked_fill", "where", "abs", "clamp", "clamp_min", "clamp_max", "log",
+                     "sqrt", "rsqrt"), "pointwise"),
     **dict.fromkeys(("add_", "sub_", "mul_", "div_", "neg_", "exp_", "masked_fill_", "copy_", "zero_", "fill_",
                      "__iadd__", "__isub__", "__imul__", "__itruediv__"), "inplace"),
-    **dict.fromkeys(("contiguous", "clone", "float", "double", "half", "bfloat16", "to", "type_as"), "cast"),
+    **dict.fromkeys(("contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type_as"), "cast"),
     **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"), "reshape"),
     "sum": "sum", "cumsum": "cumsum", "flip": "flip", "tril": "tri", "triu": "tri", "permute": "permute",
     "transpose": "transpose", "swapaxes": "transpose", "t": "t", "unsqueeze": "unsqueeze",
@@ -722,6 +760,8 @@ _METHODS = {
 
 
 def _kind(n: fx.Node) -> Optional[str]:
+    if n.op == "call_function" and n.target is torch.ops.gla_inductor.chunk_fwd.default:
+        return "gla"
     if n.op == "call_function":
         try:
             return _FUNCTIONS.get(n.target)

@@ -15,17 +15,23 @@ row sums, the divisor, the layouts) is the user's at two random points.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Optional
 
 import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
+from ...contract import GLACall
 from ..core.analyzer import Analyzer
 from ..core.consts import example_value
 from ..core.emit import Transaction
 from ..core.match import Match
-from .certificate import CERT_BUDGET_BYTES, CERT_RTOL, Float64Interpreter, _digest
+from . import shrink
+from .certificate import CERT_BUDGET_BYTES, CERT_RTOL, Float64Interpreter, _digest, one_thread, reference_op
+
+log = logging.getLogger("gla_inductor")
 
 CERTIFIED: dict = {}  # structure of a trial (both modules, the leaves' shapes) -> None or why not
 
@@ -36,10 +42,6 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
     nodes = _between(an, leaves, outputs)
     if isinstance(nodes, str):
         return nodes
-    need = 8 * sum(_numel(n) for n in nodes)
-    if need > CERT_BUDGET_BYTES:
-        return (f"its float64 certificate needs ~{need / 2**30:.1f} GiB (budget {CERT_BUDGET_BYTES / 2**30:.1f} "
-                "GiB): left alone unproven")
     original = _module(an, [n for n in an.nodes if n in nodes], leaves, outputs)
     txn = Transaction(an.graph)
     try:  # (the user's nodes are copied as they read after the rewrite: the normalizer reads the op)
@@ -47,8 +49,9 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
         new = {old: n for _, old, n in txn.rewires}
         if any(o not in new for o in outputs):
             return "the rewrite does not replace every output it covers"
-        after = set(txn.created) | nodes
-        rewritten = _module(an, [n for n in an.graph.nodes if n in after], leaves, [new[o] for o in outputs])
+        outs = [new[o] for o in outputs]
+        after = _read_by(outs, set(txn.created) | nodes)
+        rewritten = _module(an, [n for n in an.graph.nodes if n in after], leaves, outs)
     finally:
         txn.rollback_to((0, 0, 0))
     if isinstance(rewritten, str) or isinstance(original, str):
@@ -57,9 +60,39 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
     if key not in CERTIFIED:  # (the layers of a model: each the same computation on its own inputs)
         if len(CERTIFIED) > 256:
             CERTIFIED.clear()
-        counters["gla_inductor"]["certificates_trial"] += 1
-        CERTIFIED[key] = next((why for why in (_agree(original, rewritten, leaves, s) for s in (0, 1)) if why), None)
+        CERTIFIED[key] = _run(original, rewritten, leaves, match.layout)
     return CERTIFIED[key]
+
+
+def _run(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, layout: str) -> Optional[str]:
+    """The certificate at fewer batches and heads where both modules are proven to treat them
+    alike (``shrink.py``'s table), else at full size; None where it holds."""
+    shapes = [tuple(example_value(x).shape) for x in leaves]
+    reduced, why = _reduced(original, rewritten, leaves, layout), None
+    if isinstance(reduced, str):
+        why = reduced
+        need = max(_bytes(m, shapes, _full_numel) for m in (original, rewritten))
+    else:
+        original, rewritten, shapes, need = reduced
+    if need > CERT_BUDGET_BYTES:
+        return (f"its float64 certificate needs ~{need / 2**30:.1f} GiB (budget {CERT_BUDGET_BYTES / 2**30:.1f} "
+                f"GiB){'' if why is None else f' and fewer batches and heads will not do ({why})'}: left alone "
+                "unproven")
+    counters["gla_inductor"]["certificates_trial" if why else "certificates_trial_reduced"] += 1
+    with one_thread(why is None):
+        return next((w for w in (_agree(original, rewritten, shapes, s) for s in (0, 1)) if w), None)
+
+
+def _read_by(outputs: list, among: set) -> set:
+    """The nodes of `among` that the outputs read (the user's nodes the rewrite bypassed are not
+    run again)."""
+    found, stack = set(), list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in among and n not in found:
+            found.add(n)
+            stack += n.all_input_nodes
+    return found
 
 
 def _key(gm: fx.GraphModule) -> tuple:
@@ -126,12 +159,12 @@ def _module(an: Analyzer, order: list, leaves: list, outputs: list):
     return fx.GraphModule(root, g)
 
 
-def _agree(original, rewritten, leaves: list, seed: int) -> Optional[str]:
+def _agree(original, rewritten, shapes: list, seed: int) -> Optional[str]:
     gen = torch.Generator().manual_seed(seed)
-    args = [torch.randn(tuple(example_value(x).shape), generator=gen, dtype=torch.float64) for x in leaves]
+    args = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
     try:
-        want = Float64Interpreter(original).run(*args)
-        got = Float64Interpreter(rewritten).run(*args)
+        want = _Interpreter(original).run(*args)
+        got = _Interpreter(rewritten).run(*args)
     except Exception as e:  # noqa: BLE001 - a rewrite that does not even run is not certified
         return f"its float64 certificate did not run ({type(e).__name__}: {e})"
     for p, (w, x) in enumerate(zip(want, got)):
@@ -141,3 +174,154 @@ def _agree(original, rewritten, leaves: list, seed: int) -> Optional[str]:
         if not err <= CERT_RTOL:
             return f"its float64 certificate differs from the code by {err:.2g} (relative) in output {p}"
     return None
+
+
+# ---- at fewer batches and heads -------------------------------------------------------------------
+def _reduced(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, layout: str):
+    """(original, rewritten, the leaves' shapes, estimated bytes) at shrink.KEEP batches and heads
+    where both modules are proven to treat every (batch, head) slice alike and to put it at the
+    same place of their outputs; else why not. The tags start on the leaves' axes at the layout's
+    positions of the roles: a hypothesis that the table proves or refuses, not an assumption.
+    RetNet's decay differs between heads (a mask [H, T, T]): there only the batch is reduced."""
+    shapes = [tuple(example_value(x).shape) for x in leaves]
+    if any(len(s) != len(layout) for s in shapes):
+        return "the inputs are not all in q's layout"
+    tags = {layout.index(r): r for r in shrink.ROLES if r in layout
+            if len({s[layout.index(r)] for s in shapes}) == 1 and shapes[0][layout.index(r)] > shrink.KEEP}
+    why = "batch and heads are already small"
+    for keep in ([tags] + [{a: r} for a, r in tags.items()] if len(tags) > 1 else [tags] if tags else []):
+        full = {r: shapes[0][a] for a, r in keep.items()}
+        try:
+            (o, so, oo), (r, sr, ro) = (_shrunk(m, shapes, keep, full) for m in (original, rewritten))
+            if _out_tags(so, oo) != _out_tags(sr, ro):
+                raise shrink.Refuse("the outputs' batch and head axes differ between the code and the rewrite")
+        except shrink.Refuse as e:
+            why = str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 - a reduction not made is only a costlier certificate
+            log.info("gla_inductor: the trial certificate's reduction failed", exc_info=True)
+            why = f"the reduction failed ({type(e).__name__})"
+            continue
+        small = [tuple(so.reduced(a) for a in _leaf_axes(s, keep)) for s in shapes]
+        need = max(_bytes(o, small, _reduced_numel(so)), _bytes(r, small, _reduced_numel(sr)))
+        return o, r, small, need
+    return why
+
+
+def _leaf_axes(shape: tuple, keep: dict) -> list:
+    return [(keep[i],) if i in keep else shrink._normal([d]) for i, d in enumerate(shape)]
+
+
+def _shrunk(gm: fx.GraphModule, shapes: list, keep: dict, full: dict) -> tuple:
+    """(gm at reduced sizes, its propagation, its outputs); shrink.Refuse where not proven."""
+    s, consts, outs = shrink._Shrink(full), {}, ()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            s.axes[n] = _leaf_axes(shapes[int(n.target[len("leaf"):])], keep)
+        elif n.op == "get_attr":
+            consts[n] = getattr(gm, n.target)
+            s.axes[n] = [(shrink._Free(d),) if d > 1 else () for d in consts[n].shape]
+        elif n.op == "output":
+            outs = n.args[0]
+        else:
+            s.visit(n)
+    cut = s.cut_consts(consts)
+    remake = {n: s.remake(n, how) for n, how in s.sized.items()}
+    g, root, env = fx.Graph(), torch.nn.Module(), {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.target)
+        elif n.op == "get_attr":
+            root.register_buffer(n.target, cut[n])
+            env[n] = g.get_attr(n.target)
+        elif n.op == "output":
+            g.output(fx.node.map_arg(n.args[0], env.__getitem__))
+        elif n in remake:
+            op, target, args, kwargs = fx.node.map_arg(remake[n], env.__getitem__)
+            env[n] = g.create_node(op, target, args, kwargs)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+    return fx.GraphModule(root, g), s, outs
+
+
+def _out_tags(s, outs) -> list:
+    """Per output, the role of each axis (None: untagged); Refuse where a tagged axis is merged."""
+    rows = []
+    for o in outs:
+        axes = s.axes.get(o)
+        if not isinstance(axes, list):
+            raise shrink.Refuse("an output is not a tensor of known axes")
+        row = []
+        for a in axes:
+            r = s.resolve(a)
+            tags = [c for c in r if isinstance(c, str)]
+            if tags and len(r) != 1:
+                raise shrink.Refuse("an output merges a batch or head axis with another")
+            row.append(tags[0] if tags else None)
+        rows.append(tuple(row))
+    return rows
+
+
+def _reduced_numel(s):
+    def numel(n: fx.Node) -> int:
+        axes = s.axes.get(n)
+        parts = axes if isinstance(axes, tuple) else (axes,)
+        return sum(math.prod(s.reduced(a) for a in p) for p in parts if isinstance(p, list))
+    return numel
+
+
+def _full_numel(n: fx.Node) -> int:
+    val = example_value(n)
+    parts = val if isinstance(val, (tuple, list)) else (val,)
+    return sum(p.numel() for p in parts if isinstance(p, torch.Tensor))
+
+
+def _bytes(gm: fx.GraphModule, shapes: list, numel) -> int:
+    """Estimated float64 memory of running gm: its inputs, its constants and its intermediates at
+    their peak."""
+    order = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    fixed = sum(b.numel() for b in gm.buffers()) + sum(math.prod(s) for s in shapes)
+    return 8 * fixed + shrink.peak_bytes(order, numel, outs)
+
+
+# ---- the op in float64 ----------------------------------------------------------------------------
+_CHUNK = 64  # steps of the op evaluated at once (its [B, H, C, C] scores in float64)
+
+
+class _Interpreter(Float64Interpreter):
+    """The certificate's interpreter, with the GLA op of a constant gate by chunks (_gla_f64)."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.gla_inductor.chunk_fwd.default:
+            return _gla_f64(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def _gla_f64(*args, **kwargs) -> tuple:
+    """chunk_fwd's (o, final state) in float64 where the gate is a constant per head or none: the
+    naive recurrence's map (``certificate.reference_op``), S_t = e^gamma S_(t-1) + k_t v_t^T and
+    o_t = scale q_t S_t, summed in closed form over chunks of _CHUNK steps: a few large products
+    instead of several small ones per step. Any other call goes to the recurrence itself."""
+    call = GLACall.from_op_args(args, kwargs)
+    fused = call.gate.name or call.gate_a is not None or call.gate_bias is not None
+    if call.g is not None or fused or call.cu_seqlens is not None or not call.q.shape[2] == call.k.shape[2] == \
+            call.v.shape[2]:
+        return reference_op(*args, **kwargs)
+    q, k, v = (x.double().flip(1) if call.reverse else x.double() for x in (call.q, call.k, call.v))
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if call.scale is None else call.scale
+    gamma = call.g_gamma.double() if call.g_gamma is not None else q.new_zeros(H)  # log decay per step
+    S = call.initial_state.double() if call.initial_state is not None else q.new_zeros(B, H, K, v.shape[-1])
+    outs = []
+    for s in range(0, T, _CHUNK):
+        qc, kc, vc = (x[:, s:s + _CHUNK].transpose(1, 2) for x in (q, k, v))  # [B, H, L, .]
+        pos = torch.arange(qc.shape[2], dtype=torch.float64)
+        dist = pos[:, None] - pos[None, :]
+        decay = torch.where(dist >= 0, (dist.clamp_min(0) * gamma[:, None, None]).exp(), 0.0)  # [H, L, L]
+        carried = (qc * ((pos + 1) * gamma[:, None]).exp()[..., None]) @ S
+        outs.append(scale * ((qc @ kc.transpose(-1, -2)) * decay @ vc + carried))
+        last = (pos[-1] - pos) * gamma[:, None]  # steps from each key to the chunk's end
+        S = (len(pos) * gamma).exp()[:, None, None] * S + (kc * last.exp()[..., None]).transpose(-1, -2) @ vc
+    o = torch.cat(outs, 2).transpose(1, 2) if outs else q.new_zeros(B, 0, H, v.shape[-1])
+    return (o.flip(1) if call.reverse else o), S
