@@ -44,8 +44,8 @@ would then show as a disagreement. A role of size KEEP or less is not reduced (n
 On a refusal, the certificate runs at full size within its memory budget, or not at all.
 
 The trial certificate (``trial.py``) runs the same table on both of its modules, the user's and
-the rewritten one: there the GLA op itself is a row (``_gla``: one function per (batch, head) slice
-of its [B, T, H, .] inputs), and so are the elementwise glue its normalizers keep (abs, clamp, log).
+the rewritten one: there the GLA op itself is a row (``trial._gla_axes``), and so is the
+elementwise glue its normalizers keep (abs, clamp, log).
 
 Groups (Mamba2's B and C shared by groups of heads) are repeated over heads before the leaves
 of the chunked form (a leaf's axis is one role), so they do not occur inside F and no
@@ -63,7 +63,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...contract import GLACall
 from ..core.consts import example_value
 
 KEEP = 2  # slices kept along each reduced axis: two, so that mixing them would be seen
@@ -148,8 +147,9 @@ def _leaf_letters(spec) -> dict:
 class _Shrink:
     """The axes of every value of F, filled in node by node by the table."""
 
-    def __init__(self, full: dict):
+    def __init__(self, full: dict, handlers: Optional[dict] = None):
         self.full = full  # reduced role -> full size
+        self.handlers = {**_HANDLERS, **(handlers or {})}  # (the trial's: the GLA op, "gla")
         self.axes: dict = {}  # node -> [axis, ...] (a tensor) or tuple of those (split, unbind)
         self.sized: dict = {}  # node -> how its size arguments are rebuilt
 
@@ -222,7 +222,7 @@ class _Shrink:
 
     # -- nodes --
     def visit(self, n: fx.Node) -> None:
-        handler = _HANDLERS.get(_kind(n))
+        handler = self.handlers.get(_kind(n))
         if handler is None:
             raise Refuse(f"{n.name} ({_target_name(n)}) is not an op known to treat every batch and head alike")
         for x in n.all_input_nodes:
@@ -670,34 +670,6 @@ def _matmul(s: _Shrink, n: fx.Node) -> list:
     return batch + [a[-2], b[-1]]
 
 
-def _gla(s: _Shrink, n: fx.Node) -> tuple:
-    """The GLA op (in the trial certificate's replacement): each (batch, head) slice of its
-    outputs from that slice of q, k, v [B, T, H, .], the gate, g_gamma [H] and the initial state
-    [B, H, K, V], by one function; along time and features only."""
-    call = GLACall.from_op_args(n.args, n.kwargs)
-    if call.gate.name or call.gate_a is not None or call.gate_bias is not None or call.cu_seqlens is not None:
-        raise Refuse(f"{n.name}: a fused gate or packed sequences")
-    q, k, v = (s.of(x) for x in (call.q, call.k, call.v))
-    if not len(q) == len(k) == len(v) == 4:
-        raise Refuse(f"{n.name}: q, k and v not of rank 4")
-    b, h = q[0], q[2]
-    for x in (k, v) + ((s.of(call.g),) if call.g is not None else ()):
-        s.unify(b, x[0], n.name)
-        s.unify(h, x[2], n.name)
-    for x in (q, k, v) + ((s.of(call.g),) if call.g is not None else ()):
-        for a in [x[1]] + list(x[3:]):
-            s.plain(a, n.name)
-    if call.g_gamma is not None:
-        s.unify(h, s.of(call.g_gamma)[0], n.name)
-    if call.initial_state is not None:
-        h0 = s.of(call.initial_state)
-        s.unify(b, h0[0], n.name)
-        s.unify(h, h0[1], n.name)
-        s.plain(h0[2], n.name)
-        s.plain(h0[3], n.name)
-    return [b, None, h, None], ([b, h, None, None] if call.output_final_state else [None])  # (else shape (0,))
-
-
 def _setitem(s: _Shrink, n: fx.Node) -> None:
     view = _index(s, s.of(n.args[0]), n.args[1], n.name)
     value = n.args[2]
@@ -721,7 +693,7 @@ _HANDLERS: dict[str, Callable] = {
     "unsqueeze": _unsqueeze, "squeeze": _squeeze, "reshape": _reshape, "expand": _expand,
     "repeat": _repeat, "repeat_interleave": _repeat_interleave, "getitem": _getitem,
     "select": _select, "narrow": _select, "split": _split, "unbind": _split, "cat": _cat,
-    "stack": _cat, "pad": _pad, "einsum": _einsum, "matmul": _matmul, "setitem": _setitem, "gla": _gla,
+    "stack": _cat, "pad": _pad, "einsum": _einsum, "matmul": _matmul, "setitem": _setitem,
 }
 
 _FUNCTIONS = {

@@ -11,6 +11,13 @@ GLA op runs as the naive float64 recurrence (``certificate.reference_op``); modu
 constants at their compile-time values. Comparisons and clamps are evaluated as written: the
 analytic parts are proven by the recognizer's algebra, this checks that the glue around them (the
 row sums, the divisor, the layouts) is the user's at two random points.
+
+*Its cost.* Both modules are run at shrink.KEEP batches and heads where ``shrink.py``'s table
+proves that each treats every (batch, head) slice alike (the GLA op is a row of it there) and
+puts it at the same place of its outputs; that certifies the full sizes by shrink's argument.
+A decay that differs between heads (RetNet's [H, T, T] mask) keeps the heads whole: then only
+the batch is reduced. The user's nodes the rewrite bypasses (the [.., T, T] scores' product with
+v) are not run again, and the op of a constant gate is evaluated by chunks, not step by step.
 """
 
 from __future__ import annotations
@@ -214,7 +221,7 @@ def _leaf_axes(shape: tuple, keep: dict) -> list:
 
 def _shrunk(gm: fx.GraphModule, shapes: list, keep: dict, full: dict) -> tuple:
     """(gm at reduced sizes, its propagation, its outputs); shrink.Refuse where not proven."""
-    s, consts, outs = shrink._Shrink(full), {}, ()
+    s, consts, outs = shrink._Shrink(full, {"gla": _gla_axes}), {}, ()
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             s.axes[n] = _leaf_axes(shapes[int(n.target[len("leaf"):])], keep)
@@ -225,8 +232,11 @@ def _shrunk(gm: fx.GraphModule, shapes: list, keep: dict, full: dict) -> tuple:
             outs = n.args[0]
         else:
             s.visit(n)
-    cut = s.cut_consts(consts)
-    remake = {n: s.remake(n, how) for n, how in s.sized.items()}
+    return _rebuilt(gm, s.cut_consts(consts), {n: s.remake(n, how) for n, how in s.sized.items()}), s, outs
+
+
+def _rebuilt(gm: fx.GraphModule, cut: dict, remake: dict) -> fx.GraphModule:
+    """gm with its constants cut and the nodes that carry sizes rebuilt (shrink's remake)."""
     g, root, env = fx.Graph(), torch.nn.Module(), {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -241,7 +251,34 @@ def _shrunk(gm: fx.GraphModule, shapes: list, keep: dict, full: dict) -> tuple:
             env[n] = g.create_node(op, target, args, kwargs)
         else:
             env[n] = g.node_copy(n, env.__getitem__)
-    return fx.GraphModule(root, g), s, outs
+    return fx.GraphModule(root, g)
+
+
+def _gla_axes(s: shrink._Shrink, n: fx.Node) -> tuple:
+    """The GLA op (in the trial certificate's replacement): each (batch, head) slice of its
+    outputs from that slice of q, k, v [B, T, H, .], the gate, g_gamma [H] and the initial state
+    [B, H, K, V], by one function; along time and features only."""
+    call = GLACall.from_op_args(n.args, n.kwargs)
+    if call.gate.name or call.gate_a is not None or call.gate_bias is not None or call.cu_seqlens is not None:
+        raise shrink.Refuse(f"{n.name}: a fused gate or packed sequences")
+    q, k, v = (s.of(x) for x in (call.q, call.k, call.v))
+    if not len(q) == len(k) == len(v) == 4:
+        raise shrink.Refuse(f"{n.name}: q, k and v not of rank 4")
+    b, h = q[0], q[2]
+    for x in (q, k, v) + ((s.of(call.g),) if call.g is not None else ()):  # [B, T, H, .]
+        s.unify(b, x[0], n.name)
+        s.unify(h, x[2], n.name)
+        for a in [x[1]] + list(x[3:]):
+            s.plain(a, n.name)
+    if call.g_gamma is not None:
+        s.unify(h, s.of(call.g_gamma)[0], n.name)
+    if call.initial_state is not None:  # [B, H, K, V]
+        h0 = s.of(call.initial_state)
+        s.unify(b, h0[0], n.name)
+        s.unify(h, h0[1], n.name)
+        s.plain(h0[2], n.name)
+        s.plain(h0[3], n.name)
+    return [b, None, h, None], ([b, h, None, None] if call.output_final_state else [None])  # (else shape (0,))
 
 
 def _out_tags(s, outs) -> list:
