@@ -211,6 +211,15 @@ def test_look_alike_left_alone_with_its_reason(fn, reason):
 
 
 # ---- the trial certificate at fewer batches and heads -------------------------------------------
+@pytest.fixture
+def fresh_trials(monkeypatch):
+    """No trial certificate kept from another test (a kept one is not run, nor counted)."""
+    from gla_inductor.recognize.certify import trial
+
+    monkeypatch.setattr(trial, "CERTIFIED", {})
+    return trial
+
+
 def shared_decay(q, k, v):
     """One decay for every head (a [T, T] mask): heads may be reduced as well as batches."""
     a = (q @ k.transpose(-1, -2)) * decay_mask(q.shape[2], q.dtype, device=q.device)[0]
@@ -219,7 +228,7 @@ def shared_decay(q, k, v):
 
 @pytest.mark.parametrize("fn", [torchscale_parallel, shared_decay, seq_first_divided_after],
                          ids=lambda f: f.__name__)
-def test_certificate_at_two_batches(fn):
+def test_certificate_at_two_batches(fn, fresh_trials):
     """4 batches (and 4 heads where the decay is one for all): the certificate runs at 2 of each,
     the rewrite is exact at full size. RetNet's own mask differs between heads: there the batch
     alone is reduced (the table refuses a constant that differs along a reduced axis)."""
@@ -233,7 +242,7 @@ def test_certificate_at_two_batches(fn):
     assert counters["gla_inductor"]["certificates_trial"] == 0
 
 
-def test_reduced_certificate_still_refuses_a_wrong_rewrite(monkeypatch):
+def test_reduced_certificate_still_refuses_a_wrong_rewrite(monkeypatch, fresh_trials):
     """The row factor left out of q: the rewrite differs from the code, and the certificate at two
     batches says so."""
     from gla_inductor.recognize.forms import row_factor
@@ -268,3 +277,16 @@ def test_op_by_chunks_is_the_recurrence(reverse, state):
     args = call.op_args()
     for got, want in zip(_gla_f64(*args), reference_op(*args)):
         assert got.shape == want.shape and rel_err(got, want) <= 1e-12
+
+
+def test_certificate_past_its_budget_says_why(monkeypatch, fresh_trials):
+    """Two batches and two heads cannot be reduced: past the memory budget the layer is left alone,
+    and the reason says both."""
+    monkeypatch.setattr(fresh_trials, "CERT_BUDGET_BYTES", 1000)
+    args = inputs(False)
+    got, results = compile_rewritten(torchscale_parallel, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    reasons = [nm.reason for r in results for nm in r.near_misses]
+    assert any("fewer batches and heads will not do (batch and heads are already small)" in x
+               for x in reasons), reasons
+    assert rel_err(got[0], torchscale_parallel(*(a.double() for a in args))) <= FP32_TOL

@@ -36,7 +36,7 @@ from ..core.consts import example_value
 from ..core.emit import Transaction
 from ..core.match import Match
 from . import shrink
-from .certificate import CERT_BUDGET_BYTES, CERT_RTOL, Float64Interpreter, _digest, one_thread, reference_op
+from .certificate import CERT_BUDGET_BYTES, CERT_RTOL, Float64Interpreter, _digest, reference_op
 
 log = logging.getLogger("gla_inductor")
 
@@ -86,8 +86,7 @@ def _run(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, layo
                 f"GiB){'' if why is None else f' and fewer batches and heads will not do ({why})'}: left alone "
                 "unproven")
     counters["gla_inductor"]["certificates_trial" if why else "certificates_trial_reduced"] += 1
-    with one_thread(why is None):
-        return next((w for w in (_agree(original, rewritten, shapes, s) for s in (0, 1)) if w), None)
+    return next((w for w in (_agree(original, rewritten, shapes, s) for s in (0, 1)) if w), None)
 
 
 def _read_by(outputs: list, among: set) -> set:
@@ -195,24 +194,26 @@ def _reduced(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, 
         return "the inputs are not all in q's layout"
     tags = {layout.index(r): r for r in shrink.ROLES if r in layout
             if len({s[layout.index(r)] for s in shapes}) == 1 and shapes[0][layout.index(r)] > shrink.KEEP}
-    why = "batch and heads are already small"
-    for keep in ([tags] + [{a: r} for a, r in tags.items()] if len(tags) > 1 else [tags] if tags else []):
+    if not tags:
+        return "batch and heads are already small"
+    whys = []
+    for keep in [tags] + ([{a: r} for a, r in tags.items()] if len(tags) > 1 else []):  # both, else each
         full = {r: shapes[0][a] for a, r in keep.items()}
         try:
             (o, so, oo), (r, sr, ro) = (_shrunk(m, shapes, keep, full) for m in (original, rewritten))
             if _out_tags(so, oo) != _out_tags(sr, ro):
                 raise shrink.Refuse("the outputs' batch and head axes differ between the code and the rewrite")
         except shrink.Refuse as e:
-            why = str(e)
+            whys.append(str(e))
             continue
         except Exception as e:  # noqa: BLE001 - a reduction not made is only a costlier certificate
             log.info("gla_inductor: the trial certificate's reduction failed", exc_info=True)
-            why = f"the reduction failed ({type(e).__name__})"
+            whys.append(f"the reduction failed ({type(e).__name__})")
             continue
         small = [tuple(so.reduced(a) for a in _leaf_axes(s, keep)) for s in shapes]
         need = max(_bytes(o, small, _reduced_numel(so)), _bytes(r, small, _reduced_numel(sr)))
         return o, r, small, need
-    return why
+    return whys[0]
 
 
 def _leaf_axes(shape: tuple, keep: dict) -> list:
