@@ -230,8 +230,7 @@ def shared_decay(q, k, v):
                          ids=lambda f: f.__name__)
 def test_certificate_at_two_batches(fn, fresh_trials):
     """4 batches (and 4 heads where the decay is one for all): the certificate runs at 2 of each,
-    the rewrite is exact at full size. RetNet's own mask differs between heads: there the batch
-    alone is reduced (the table refuses a constant that differs along a reduced axis)."""
+    the rewrite is exact at full size."""
     heads = 4 if fn is shared_decay else H
     gen = torch.Generator().manual_seed(3)
     shape = (lambda d: (4, T, heads, d)) if "seq_first" in fn.__name__ else (lambda d: (4, heads, T, d))
@@ -290,3 +289,30 @@ def test_certificate_past_its_budget_says_why(monkeypatch, fresh_trials):
     assert any("fewer batches and heads will not do (batch and heads are already small)" in x
                for x in reasons), reasons
     assert rel_err(got[0], torchscale_parallel(*(a.double() for a in args))) <= FP32_TOL
+
+
+def test_every_head_certified_where_the_decay_differs_between_heads(monkeypatch, fresh_trials):
+    """RetNet's mask differs between heads: each head is its own function, so the certificate runs
+    every head, two at a time (5 heads: 0-1, 2-3, 3-4). An op that were wrong for the slowest decay
+    only (the last head's) is caught, and the rewrite is left alone."""
+    heads, real = 5, fresh_trials._gla_f64
+    module = TorchscaleParallel(heads)
+    gen = torch.Generator().manual_seed(6)
+    args = [torch.randn(3, heads, T, d, generator=gen) for d in (K, K, V)]
+    got, _ = compile_rewritten(module, args)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert counters["gla_inductor"]["certificates_trial_reduced"] == 1
+    assert rel_err(got[0], module.double()(*(a.double() for a in args))) <= FP32_TOL
+
+    def wrong_for_the_last_head(*op_args, **kwargs):  # op_args[4]: g_gamma, its log decay per head
+        o, state = real(*op_args, **kwargs)
+        return (o * 1.01 if op_args[4].max() > -0.0029 else o), state  # (head 4: log(1 - 2 ** -9))
+
+    monkeypatch.setattr(fresh_trials, "_gla_f64", wrong_for_the_last_head)
+    monkeypatch.setattr(fresh_trials, "CERTIFIED", {})
+    torch._dynamo.reset()
+    counters.clear()
+    _, results = compile_rewritten(module.float(), args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    reasons = [nm.reason for r in results for nm in r.near_misses]
+    assert any("float64 certificate differs from the code" in x for x in reasons), reasons

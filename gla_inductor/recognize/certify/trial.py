@@ -15,8 +15,8 @@ row sums, the divisor, the layouts) is the user's at two random points.
 *Its cost.* Both modules are run at shrink.KEEP batches and heads where ``shrink.py``'s table
 proves that each treats every (batch, head) slice alike (the GLA op is a row of it there) and
 puts it at the same place of its outputs; that certifies the full sizes by shrink's argument.
-A decay that differs between heads (RetNet's [H, T, T] mask) keeps the heads whole: then only
-the batch is reduced. The user's nodes the rewrite bypasses (the [.., T, T] scores' product with
+A decay that differs between heads (RetNet's [H, T, T] mask) makes each head its own function:
+then every head is run, KEEP at a time, each group with its own slice of the constants. The user's nodes the rewrite bypasses (the [.., T, T] scores' product with
 v) are not run again, and the op of a constant gate is evaluated by chunks, not step by step.
 """
 
@@ -77,16 +77,17 @@ def _run(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, layo
     shapes = [tuple(example_value(x).shape) for x in leaves]
     reduced, why = _reduced(original, rewritten, leaves, layout), None
     if isinstance(reduced, str):
-        why = reduced
+        why, pairs = reduced, [(original, rewritten)]
         need = max(_bytes(m, shapes, _full_numel) for m in (original, rewritten))
     else:
-        original, rewritten, shapes, need = reduced
+        pairs, shapes, need = reduced
     if need > CERT_BUDGET_BYTES:
         return (f"its float64 certificate needs ~{need / 2**30:.1f} GiB (budget {CERT_BUDGET_BYTES / 2**30:.1f} "
                 f"GiB){'' if why is None else f' and fewer batches and heads will not do ({why})'}: left alone "
                 "unproven")
     counters["gla_inductor"]["certificates_trial" if why else "certificates_trial_reduced"] += 1
-    return next((w for w in (_agree(original, rewritten, shapes, s) for s in (0, 1)) if w), None)
+    runs = ((o, r, 2 * p + s) for p, (o, r) in enumerate(pairs) for s in (0, 1))
+    return next((w for w in (_agree(o, r, shapes, seed) for o, r, seed in runs) if w), None)
 
 
 def _read_by(outputs: list, among: set) -> set:
@@ -184,11 +185,11 @@ def _agree(original, rewritten, shapes: list, seed: int) -> Optional[str]:
 
 # ---- at fewer batches and heads -------------------------------------------------------------------
 def _reduced(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, layout: str):
-    """(original, rewritten, the leaves' shapes, estimated bytes) at shrink.KEEP batches and heads
-    where both modules are proven to treat every (batch, head) slice alike and to put it at the
-    same place of their outputs; else why not. The tags start on the leaves' axes at the layout's
-    positions of the roles: a hypothesis that the table proves or refuses, not an assumption.
-    RetNet's decay differs between heads (a mask [H, T, T]): there only the batch is reduced."""
+    """([(original, rewritten) per group of heads], the leaves' shapes, estimated bytes) at
+    shrink.KEEP batches and heads where both modules are proven to treat every (batch, head)
+    slice alike and to put it at the same place of their outputs; else why not. The tags start on
+    the leaves' axes at the layout's positions of the roles: a hypothesis that the table proves or
+    refuses, not an assumption."""
     shapes = [tuple(example_value(x).shape) for x in leaves]
     if any(len(s) != len(layout) for s in shapes):
         return "the inputs are not all in q's layout"
@@ -200,9 +201,12 @@ def _reduced(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, 
     for keep in [tags] + ([{a: r} for a, r in tags.items()] if len(tags) > 1 else []):  # both, else each
         full = {r: shapes[0][a] for a, r in keep.items()}
         try:
-            (o, so, oo), (r, sr, ro) = (_shrunk(m, shapes, keep, full) for m in (original, rewritten))
-            if _out_tags(so, oo) != _out_tags(sr, ro):
+            props = [_propagate(m, shapes, keep, full) for m in (original, rewritten)]
+            if _out_tags(*props[0][::2]) != _out_tags(*props[1][::2]):
                 raise shrink.Refuse("the outputs' batch and head axes differ between the code and the rewrite")
+            pairs = [tuple(_rebuilt(m, _cut(s, consts, at), {n: s.remake(n, how) for n, how in s.sized.items()})
+                           for m, (s, consts, _) in zip((original, rewritten), props))
+                     for at in _head_groups(props, full)]
         except shrink.Refuse as e:
             whys.append(str(e))
             continue
@@ -210,9 +214,10 @@ def _reduced(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, 
             log.info("gla_inductor: the trial certificate's reduction failed", exc_info=True)
             whys.append(f"the reduction failed ({type(e).__name__})")
             continue
-        small = [tuple(so.reduced(a) for a in _leaf_axes(s, keep)) for s in shapes]
-        need = max(_bytes(o, small, _reduced_numel(so)), _bytes(r, small, _reduced_numel(sr)))
-        return o, r, small, need
+        s = props[0][0]
+        small = [tuple(s.reduced(a) for a in _leaf_axes(x, keep)) for x in shapes]
+        need = max(_bytes(m, small, _reduced_numel(p[0])) for m, p in zip(pairs[0], props))
+        return pairs, small, need
     return whys[0]
 
 
@@ -220,8 +225,9 @@ def _leaf_axes(shape: tuple, keep: dict) -> list:
     return [(keep[i],) if i in keep else shrink._normal([d]) for i, d in enumerate(shape)]
 
 
-def _shrunk(gm: fx.GraphModule, shapes: list, keep: dict, full: dict) -> tuple:
-    """(gm at reduced sizes, its propagation, its outputs); shrink.Refuse where not proven."""
+def _propagate(gm: fx.GraphModule, shapes: list, keep: dict, full: dict) -> tuple:
+    """(shrink's propagation over gm, its constants, its outputs); shrink.Refuse where gm is not
+    proven to treat every slice alike."""
     s, consts, outs = shrink._Shrink(full, {"gla": _gla_axes}), {}, ()
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -233,7 +239,37 @@ def _shrunk(gm: fx.GraphModule, shapes: list, keep: dict, full: dict) -> tuple:
             outs = n.args[0]
         else:
             s.visit(n)
-    return _rebuilt(gm, s.cut_consts(consts), {n: s.remake(n, how) for n, how in s.sized.items()}), s, outs
+    return s, consts, outs
+
+
+def _head_groups(props: list, full: dict) -> list:
+    """The first head of each group of shrink.KEEP heads to certify: one group where every
+    constant is equal along the heads (each head is then the same function), else groups covering
+    all heads (RetNet's decay mask [H, T, T] differs between heads: each head is its own function,
+    of its own slice of the constants, and every one is run, KEEP heads at a time)."""
+    heads = full.get("h")
+    same = all(shrink._equal_along(val, i) for s, consts, _ in props for n, val in consts.items()
+               for i, a in enumerate(s.axes[n]) if s.resolve(a) == ("h",))
+    if heads is None or same:
+        return [0]
+    return sorted(set(range(0, heads - shrink.KEEP, shrink.KEEP)) | {heads - shrink.KEEP})
+
+
+def _cut(s, consts: dict, head: int) -> dict:
+    """The constants at reduced sizes: along the head axis, heads [head, head + KEEP); along any
+    other reduced axis (batch, or merged roles) they must be equal, and the first are kept."""
+    res = {}
+    for n, val in consts.items():
+        for i, axis in enumerate(s.axes[n]):
+            r = s.resolve(axis)
+            if r == ("h",):
+                val = val.narrow(i, head, shrink.KEEP)
+            elif any(isinstance(c, str) for c in r):
+                if not shrink._equal_along(val, i):
+                    raise shrink.Refuse(f"the constant {n.name} differs between batches")
+                val = val.narrow(i, 0, s.reduced(axis))
+        res[n] = val.clone()
+    return res
 
 
 def _rebuilt(gm: fx.GraphModule, cut: dict, remake: dict) -> fx.GraphModule:
