@@ -49,7 +49,8 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
     nodes = _between(an, leaves, outputs)
     if isinstance(nodes, str):
         return nodes
-    original = _module(an, [n for n in an.nodes if n in nodes], leaves, outputs)
+    consts: dict = {}  # (one float64 copy of each constant for both modules, digested once)
+    original = _module(an, [n for n in an.nodes if n in nodes], leaves, outputs, consts)
     txn = Transaction(an.graph)
     try:  # (the user's nodes are copied as they read after the rewrite: the normalizer reads the op)
         match.apply(txn)
@@ -58,12 +59,13 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
             return "the rewrite does not replace every output it covers"
         outs = [new[o] for o in outputs]
         after = _read_by(outs, set(txn.created) | nodes)
-        rewritten = _module(an, [n for n in an.graph.nodes if n in after], leaves, outs)
+        rewritten = _module(an, [n for n in an.graph.nodes if n in after], leaves, outs, consts)
     finally:
         txn.rollback_to((0, 0, 0))
     if isinstance(rewritten, str) or isinstance(original, str):
         return rewritten if isinstance(rewritten, str) else original
-    key = (_key(original), _key(rewritten), tuple(tuple(example_value(x).shape) for x in leaves))
+    digests = {id(b): _digest(b) for b in consts.values()}
+    key = (_key(original, digests), _key(rewritten, digests), tuple(tuple(example_value(x).shape) for x in leaves))
     if key not in CERTIFIED:  # (the layers of a model: each the same computation on its own inputs)
         if len(CERTIFIED) > 256:
             CERTIFIED.clear()
@@ -103,7 +105,7 @@ def _read_by(outputs: list, among: set) -> set:
     return found
 
 
-def _key(gm: fx.GraphModule) -> tuple:
+def _key(gm: fx.GraphModule, digests: dict) -> tuple:
     """Equal for modules that compute the same thing: ops and arguments up to node names, and the
     constants' values."""
     index, rows = {}, []
@@ -111,7 +113,7 @@ def _key(gm: fx.GraphModule) -> tuple:
         index[n] = len(rows)
         args = fx.node.map_arg((n.args, n.kwargs), lambda x: ("node", index[x]))
         rows.append((n.op, str(n.target), repr(args)))
-    return tuple(rows), tuple(_digest(b) for b in gm.buffers())
+    return tuple(rows), tuple(digests[id(b)] for b in gm.buffers())
 
 
 def _between(an: Analyzer, leaves: list, outputs: list):
@@ -142,19 +144,22 @@ def _numel(n: fx.Node):
     return 0 if isinstance(val, (int, float, bool, torch.dtype, torch.device, tuple, list)) else None
 
 
-def _module(an: Analyzer, order: list, leaves: list, outputs: list):
-    """The nodes `order` as a module of the leaves, the constants they read as buffers."""
+def _module(an: Analyzer, order: list, leaves: list, outputs: list, consts: dict):
+    """The nodes `order` as a module of the leaves, the constants they read as buffers (in
+    `consts`: node -> its float64 value, shared by the modules of one certificate)."""
     g, root, env = fx.Graph(), torch.nn.Module(), {}
     for p, leaf in enumerate(leaves):
         env[leaf] = g.placeholder(f"leaf{p}")
 
     def arg(x: fx.Node):
         if x not in env:
-            val = an.consts.evaluate(x) if an.consts.is_const(x) else an.consts.evaluate_static(x)
-            if val is None:
-                raise LookupError(x.name)
+            if x not in consts:
+                val = an.consts.evaluate(x) if an.consts.is_const(x) else an.consts.evaluate_static(x)
+                if val is None:
+                    raise LookupError(x.name)
+                consts[x] = val.double() if val.is_floating_point() else val
             name = f"c{len(root._buffers)}"
-            root.register_buffer(name, val.double() if val.is_floating_point() else val)
+            root.register_buffer(name, consts[x])
             env[x] = g.get_attr(name)
         return env[x]
 
