@@ -7,8 +7,8 @@ replacement is not the op alone, so ``certificate.py``'s comparison with an emit
 does not cover it. Here both sides are the graph itself: the nodes from the leaves to the
 outputs as the user wrote them, and, with the match applied, the nodes from the same leaves to
 what the outputs' readers now read (the inserted nodes and the user's nodes between them). The
-GLA op runs as the naive float64 recurrence (``certificate.reference_op``); module state and
-constants at their compile-time values. Comparisons and clamps are evaluated as written: the
+GLA op runs as its map in float64 (the naive recurrence, ``certificate.reference_op``, or the
+same map by chunks for a constant gate); module state and constants at their compile-time values. Comparisons and clamps are evaluated as written: the
 analytic parts are proven by the recognizer's algebra, this checks that the glue around them (the
 row sums, the divisor, the layouts) is the user's at two random points.
 
@@ -16,8 +16,11 @@ row sums, the divisor, the layouts) is the user's at two random points.
 proves that each treats every (batch, head) slice alike (the GLA op is a row of it there) and
 puts it at the same place of its outputs; that certifies the full sizes by shrink's argument.
 A decay that differs between heads (RetNet's [H, T, T] mask) makes each head its own function:
-then every head is run, KEEP at a time, each group with its own slice of the constants. The user's nodes the rewrite bypasses (the [.., T, T] scores' product with
-v) are not run again, and the op of a constant gate is evaluated by chunks, not step by step.
+then every head is run, KEEP at a time, each group with its own slice of the constants. The
+user's nodes the rewrite bypasses (the [.., T, T] scores' product with v) are not run again, and
+the op of a constant gate is evaluated by chunks, not step by step. The time axis is not
+reduced: each query row is its own function (its row factor, its positions), and a prefix of T
+would certify only the rows it keeps.
 """
 
 from __future__ import annotations
