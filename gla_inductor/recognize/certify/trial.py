@@ -8,9 +8,10 @@ does not cover it. Here both sides are the graph itself: the nodes from the leav
 outputs as the user wrote them, and, with the match applied, the nodes from the same leaves to
 what the outputs' readers now read (the inserted nodes and the user's nodes between them). The
 GLA op runs as its map in float64 (the naive recurrence, ``certificate.reference_op``, or the
-same map by chunks for a constant gate); module state and constants at their compile-time values. Comparisons and clamps are evaluated as written: the
-analytic parts are proven by the recognizer's algebra, this checks that the glue around them (the
-row sums, the divisor, the layouts) is the user's at two random points.
+same map by chunks for a constant gate); module state and constants at their compile-time
+values. Comparisons and clamps are evaluated as written: the analytic parts are proven by the
+recognizer's algebra, this checks that the glue around them (the row sums, the divisor, the
+layouts) is the user's at two random points.
 
 *Its cost.* Both modules are run at shrink.KEEP batches and heads where ``shrink.py``'s table
 proves that each treats every (batch, head) slice alike (the GLA op is a row of it there) and
