@@ -208,3 +208,111 @@ def test_look_alike_left_alone_with_its_reason(fn, reason):
     assert rel_err(got[0], fn(*(a.double() for a in args))) <= FP32_TOL
     reasons = [nm.reason for r in results for nm in r.near_misses if nm.form == "parallel"]
     assert any(reason in x for x in reasons), reasons
+
+
+# ---- the trial certificate at fewer batches and heads -------------------------------------------
+@pytest.fixture
+def fresh_trials(monkeypatch):
+    """No trial certificate kept from another test (a kept one is not run, nor counted)."""
+    from gla_inductor.recognize.certify import trial
+
+    monkeypatch.setattr(trial, "CERTIFIED", {})
+    return trial
+
+
+def shared_decay(q, k, v):
+    """One decay for every head (a [T, T] mask): heads may be reduced as well as batches."""
+    a = (q @ k.transpose(-1, -2)) * decay_mask(q.shape[2], q.dtype, device=q.device)[0]
+    return (a / a.detach().sum(dim=-1, keepdim=True).abs().clamp(min=1)) @ v
+
+
+@pytest.mark.parametrize("fn", [torchscale_parallel, shared_decay, seq_first_divided_after],
+                         ids=lambda f: f.__name__)
+def test_certificate_at_two_batches(fn, fresh_trials):
+    """4 batches (and 4 heads where the decay is one for all): the certificate runs at 2 of each,
+    the rewrite is exact at full size."""
+    heads = 4 if fn is shared_decay else H
+    gen = torch.Generator().manual_seed(3)
+    shape = (lambda d: (4, T, heads, d)) if "seq_first" in fn.__name__ else (lambda d: (4, heads, T, d))
+    args = [torch.randn(shape(d), generator=gen) for d in (K, K, V)]
+    check_rewrite_exact(fn, args)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert counters["gla_inductor"]["certificates_trial_reduced"] == 1
+    assert counters["gla_inductor"]["certificates_trial"] == 0
+
+
+def test_reduced_certificate_still_refuses_a_wrong_rewrite(monkeypatch, fresh_trials):
+    """The row factor left out of q: the rewrite differs from the code, and the certificate at two
+    batches says so."""
+    from gla_inductor.recognize.forms import row_factor
+
+    monkeypatch.setattr(row_factor, "scale_q", lambda em, q, row, letters: q)
+    gen = torch.Generator().manual_seed(3)
+    args = [torch.randn(4, H, T, d, generator=gen) for d in (K, K, V)]
+    got, results = compile_rewritten(torchscale_parallel, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    assert counters["gla_inductor"]["certificates_trial_reduced"] == 1
+    reasons = [nm.reason for r in results for nm in r.near_misses]
+    assert any("float64 certificate differs from the code" in x for x in reasons), reasons
+    assert rel_err(got[0], torchscale_parallel(*(a.double() for a in args))) <= FP32_TOL
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("state", [False, True])
+def test_op_by_chunks_is_the_recurrence(reverse, state):
+    """The certificate's float64 op for a constant gate (by chunks) is the naive recurrence's map,
+    over several chunks and a partial last one, with an initial state and its final state."""
+    import gla_inductor.ops  # noqa: F401  (the op's schema)
+    from gla_inductor.contract import GLACall
+    from gla_inductor.recognize.certify.certificate import reference_op
+    from gla_inductor.recognize.certify.trial import _CHUNK, _gla_f64
+
+    gen = torch.Generator().manual_seed(5)
+    n = 2 * _CHUNK + 7
+    q, k, v = (torch.randn(2, n, 3, d, generator=gen, dtype=torch.float64) for d in (K, K, V))
+    gamma = -torch.rand(3, generator=gen, dtype=torch.float64) * 0.2
+    h0 = torch.randn(2, 3, K, V, generator=gen, dtype=torch.float64) if state else None
+    call = GLACall(q, k, v, None, gamma, h0, scale=0.7, output_final_state=True, reverse=reverse)
+    args = call.op_args()
+    for got, want in zip(_gla_f64(*args), reference_op(*args)):
+        assert got.shape == want.shape and rel_err(got, want) <= 1e-12
+
+
+def test_certificate_past_its_budget_says_why(monkeypatch, fresh_trials):
+    """Two batches and two heads cannot be reduced: past the memory budget the layer is left alone,
+    and the reason says both."""
+    monkeypatch.setattr(fresh_trials, "CERT_BUDGET_BYTES", 1000)
+    args = inputs(False)
+    got, results = compile_rewritten(torchscale_parallel, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    reasons = [nm.reason for r in results for nm in r.near_misses]
+    assert any("fewer batches and heads will not do (batch and heads are already small)" in x
+               for x in reasons), reasons
+    assert rel_err(got[0], torchscale_parallel(*(a.double() for a in args))) <= FP32_TOL
+
+
+def test_every_head_certified_where_the_decay_differs_between_heads(monkeypatch, fresh_trials):
+    """RetNet's mask differs between heads: each head is its own function, so the certificate runs
+    every head, two at a time (5 heads: 0-1, 2-3, 3-4). An op that were wrong for the slowest decay
+    only (the last head's) is caught, and the rewrite is left alone."""
+    heads, real = 5, fresh_trials._gla_f64
+    module = TorchscaleParallel(heads)
+    gen = torch.Generator().manual_seed(6)
+    args = [torch.randn(3, heads, T, d, generator=gen) for d in (K, K, V)]
+    got, _ = compile_rewritten(module, args)
+    assert counters["gla_inductor"]["rewrites"] == 1
+    assert counters["gla_inductor"]["certificates_trial_reduced"] == 1
+    assert rel_err(got[0], module.double()(*(a.double() for a in args))) <= FP32_TOL
+
+    def wrong_for_the_last_head(*op_args, **kwargs):  # op_args[4]: g_gamma, its log decay per head
+        o, state = real(*op_args, **kwargs)
+        return (o * 1.01 if op_args[4].max() > -0.0029 else o), state  # (head 4: log(1 - 2 ** -9))
+
+    monkeypatch.setattr(fresh_trials, "_gla_f64", wrong_for_the_last_head)
+    monkeypatch.setattr(fresh_trials, "CERTIFIED", {})
+    torch._dynamo.reset()
+    counters.clear()
+    _, results = compile_rewritten(module.float(), args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    reasons = [nm.reason for r in results for nm in r.near_misses]
+    assert any("float64 certificate differs from the code" in x for x in reasons), reasons

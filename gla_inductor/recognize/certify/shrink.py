@@ -43,6 +43,10 @@ argument, hence F = R at full size. KEEP is 2, not 1: a slip in the table that l
 would then show as a disagreement. A role of size KEEP or less is not reduced (nor tagged).
 On a refusal, the certificate runs at full size within its memory budget, or not at all.
 
+The trial certificate (``trial.py``) runs the same table on both of its modules, the user's and
+the rewritten one: there the GLA op itself is a row (``trial._gla_axes``), and so is the
+elementwise glue its normalizers keep (abs, clamp, log).
+
 Groups (Mamba2's B and C shared by groups of heads) are repeated over heads before the leaves
 of the chunked form (a leaf's axis is one role), so they do not occur inside F and no
 groups-to-heads ratio needs keeping.
@@ -143,8 +147,9 @@ def _leaf_letters(spec) -> dict:
 class _Shrink:
     """The axes of every value of F, filled in node by node by the table."""
 
-    def __init__(self, full: dict):
+    def __init__(self, full: dict, handlers: Optional[dict] = None):
         self.full = full  # reduced role -> full size
+        self.handlers = {**_HANDLERS, **(handlers or {})}  # (the trial's: the GLA op, "gla")
         self.axes: dict = {}  # node -> [axis, ...] (a tensor) or tuple of those (split, unbind)
         self.sized: dict = {}  # node -> how its size arguments are rebuilt
 
@@ -217,7 +222,7 @@ class _Shrink:
 
     # -- nodes --
     def visit(self, n: fx.Node) -> None:
-        handler = _HANDLERS.get(_kind(n))
+        handler = self.handlers.get(_kind(n))
         if handler is None:
             raise Refuse(f"{n.name} ({_target_name(n)}) is not an op known to treat every batch and head alike")
         for x in n.all_input_nodes:
@@ -227,7 +232,8 @@ class _Shrink:
         if out is None:  # setitem
             return
         if isinstance(out, tuple):
-            self.axes[n] = tuple(self._settle(o, v, n) for o, v in zip(out, val))
+            self.axes[n] = tuple(self._settle(o, v, n) if isinstance(v, torch.Tensor) else None
+                                 for o, v in zip(out, val))
         else:
             self.axes[n] = self._settle(out, val, n)
 
@@ -640,9 +646,9 @@ def _einsum(s: _Shrink, n: fx.Node) -> list:
         axes = s.of(x)
         if len(spec) != len(axes):
             raise Refuse(f"{n.name}: an einsum not understood")
-        if len(set(spec)) != len(spec):
-            raise Refuse(f"{n.name}: an einsum diagonal")
         for c, a in zip(spec, axes):
+            if spec.count(c) > 1:  # a diagonal: within a slice only
+                a = s.plain(a, f"{n.name}'s diagonal")
             by_letter.setdefault(c, []).append(a)
     res = {}
     for c, axes in by_letter.items():
@@ -693,9 +699,13 @@ _HANDLERS: dict[str, Callable] = {
 _FUNCTIONS = {
     **dict.fromkeys((operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
                      torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.neg, torch.exp,
-                     torch.exp2, torch.pow, torch.rsub, torch.masked_fill, torch.where), "pointwise"),
+                     torch.exp2, torch.pow, torch.rsub, torch.masked_fill, torch.where,
+                     # (not analytic: only the trial certificate's subgraphs have them)
+                     torch.abs, torch.clamp, torch.clamp_min, torch.clamp_max, torch.log, torch.sqrt,
+                     torch.rsqrt), "pointwise"),
     **dict.fromkeys((operator.iadd, operator.isub, operator.imul, operator.itruediv), "inplace"),
-    torch.clone: "cast", torch.sum: "sum", torch.cumsum: "cumsum", torch.flip: "flip", torch.tril: "tri",
+    torch.clone: "cast", torch.detach: "cast", torch.ones_like: "cast", torch.zeros_like: "cast",
+    torch.sum: "sum", torch.cumsum: "cumsum", torch.flip: "flip", torch.tril: "tri",
     torch.triu: "tri", torch.permute: "permute", torch.transpose: "transpose", torch.swapaxes: "transpose",
     torch.t: "t", torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.reshape: "reshape",
     torch.flatten: "reshape", torch.unflatten: "reshape", torch.broadcast_to: "expand",
@@ -708,10 +718,11 @@ _FUNCTIONS = {
 _METHODS = {
     **dict.fromkeys(("add", "sub", "mul", "div", "true_divide", "neg", "exp", "exp2", "pow", "rsub", "__add__",
                      "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-                     "__neg__", "__pow__", "masked_fill", "where"), "pointwise"),
+                     "__neg__", "__pow__", "masked_fill", "where", "abs", "clamp", "clamp_min", "clamp_max", "log",
+                     "sqrt", "rsqrt"), "pointwise"),
     **dict.fromkeys(("add_", "sub_", "mul_", "div_", "neg_", "exp_", "masked_fill_", "copy_", "zero_", "fill_",
                      "__iadd__", "__isub__", "__imul__", "__itruediv__"), "inplace"),
-    **dict.fromkeys(("contiguous", "clone", "float", "double", "half", "bfloat16", "to", "type_as"), "cast"),
+    **dict.fromkeys(("contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type_as"), "cast"),
     **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"), "reshape"),
     "sum": "sum", "cumsum": "cumsum", "flip": "flip", "tril": "tri", "triu": "tri", "permute": "permute",
     "transpose": "transpose", "swapaxes": "transpose", "t": "t", "unsqueeze": "unsqueeze",
@@ -722,6 +733,8 @@ _METHODS = {
 
 
 def _kind(n: fx.Node) -> Optional[str]:
+    if n.op == "call_function" and n.target is torch.ops.gla_inductor.chunk_fwd.default:
+        return "gla"
     if n.op == "call_function":
         try:
             return _FUNCTIONS.get(n.target)
