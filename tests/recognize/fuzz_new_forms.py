@@ -198,6 +198,9 @@ def decay_factor_program(draw, mutation: Optional[str] = None) -> Program:
 
 def decode_gap(c: dict, d: dict) -> Optional[str]:
     """Why the recognizer does not rewrite this decode step yet (found by this fuzzer)."""
+    if d["K"] == d["V"] == 1 or (c["variant"] == "sigmoid" and min(d["K"], d["V"]) == 1):
+        # (seen with sigmoid(x) [B, H, 1, 1] at K or V of 1, the sqrt ratio at B = H = K = V = 1)
+        return "K or V of 1: a factor of the state's own shape there, left alone with no reason given"
     if c["divisor"] == "key" and min(d["K"], d["V"]) == 1 and c["variant"] not in ("sqrt_ratio", "const_ratio"):
         # (the K-first state updated as S * a + kv is rewritten; kv + S * a and V-first are not)
         return "a divisor per key with K or V of 1: left alone, with no reason given"

@@ -344,6 +344,7 @@ def _gap_program(family: str, choices: dict, dims: dict, train: bool = True) -> 
     ("decode", {"divisor": "const_head"}, {}),  # torch.full((H, 1, 1), 2.0) as the divisor too
     ("decode", {"variant": "sigmoid", "divisor": "key", "update": "kv + S * a"}, {"K": 1}),
     ("decode", {"variant": "sigmoid", "divisor": "key", "update": "kv + S * a"}, {"V": 1}),
+    ("decode", {"variant": "sigmoid", "read": "einsum", "update": "kv + S * a"}, {"K": 1, "V": 7}),
     ("factor-loop", {}, {"K": 1, "V": 1}),
     ("power-chunks", {"variant": "loop"}, {"B": 1}),
     ("power-chunks", {"source": "buffer"}, {"B": 1}),
@@ -351,7 +352,7 @@ def _gap_program(family: str, choices: dict, dims: dict, train: bool = True) -> 
     ("power-chunks", {}, {"T": 2, "K": 2, "V": 2}),  # one chunk, K = V
     ("power-chunks", {"shift": "cat"}, {"K": 4}),  # K = V
     ("power-chunks", {}, {"V": 1}),
-], ids=["normalized-K1", "decode-constant-divisor", "decode-key-divisor-K1", "decode-key-divisor-V1",
+], ids=["normalized-K1", "decode-constant-divisor", "decode-key-divisor-K1", "decode-key-divisor-V1", "decode-sigmoid-K1",
         "factor-loop-K1-V1", "power-loop-B1", "power-buffer-B1", "power-loop-one-chunk", "power-one-chunk-K-eq-V",
         "power-cat-K-eq-V", "power-V1"])
 def test_known_gap(family, choices, dims):
