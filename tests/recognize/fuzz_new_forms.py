@@ -365,9 +365,10 @@ def power_gap(c: dict, d: dict) -> Optional[str]:
         return "a chunk loop of one chunk (T = C), gamma an input: not certified"
     if d["T"] == c["C"] and c["variant"] == "cumsum" and d["K"] == d["V"]:
         return "one chunk (T = C) with K = V: 'too many ways to read the gate and states by shape'"
-    if c["variant"] == "cumsum" and c["shift"] == "cat" and d["K"] == d["V"]:
-        return "the exclusive sum by torch.cat with K = V: 'too many ways to read the gate and states by shape'"
-    if c["variant"] == "cumsum" and min(d["K"], d["V"]) == 1:
+    if c["variant"] == "cumsum" and c["shift"] == "cat" and (d["K"] == d["V"] or {d["K"], d["V"]} & {d["B"], d["H"]}):
+        return "the exclusive sum by torch.cat, K = V or K or V equal to B or H: 'too many ways to read ... by shape'"
+    if min(d["K"], d["V"]) == 1:
+        # (a chunk loop over a buffer there is rewritten as two ops, exact but not one)
         return "K or V of 1: not certified ('the output adds 1 term(s) of pow, q, state to the attention')"
     return None
 

@@ -80,8 +80,9 @@ class Program:
             x = torch.randn(shape, generator=gen, dtype=torch.float64)
             if init in ("gate", "gamma"):
                 x = _GATE_DISTS[self.gate_dist](x, gen)
-            elif init == "unit":  # a decay itself (gamma ** n), in (0.25, 1)
-                x = 0.25 + 0.75 * torch.sigmoid(x + 1)
+            elif init == "unit":  # a decay itself (gamma ** n), in (0.5, 1) like RetNet's: smaller ones
+                # make gamma ** -(C n) large enough that fp32 programs lose digits of d gamma
+                x = 0.5 + 0.5 * torch.sigmoid(x + 1)
             elif init == "positive":  # a running sum of decays, >= 1
                 x = 1 + 5 * torch.rand(shape, generator=gen, dtype=torch.float64)
             # the state and the decays stay fp32: programs cast q, k, v and g only

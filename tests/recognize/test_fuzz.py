@@ -351,9 +351,11 @@ def _gap_program(family: str, choices: dict, dims: dict, train: bool = True) -> 
     ("power-chunks", {"variant": "loop"}, {"T": 2}),  # one chunk
     ("power-chunks", {}, {"T": 2, "K": 2, "V": 2}),  # one chunk, K = V
     ("power-chunks", {"shift": "cat"}, {"K": 4}),  # K = V
+    ("power-chunks", {"shift": "cat", "source": "buffer", "C": 3}, {"T": 9, "K": 8, "V": 2}),  # V = H
     ("power-chunks", {}, {"V": 1}),
-], ids=["normalized-K1", "decode-constant-divisor", "decode-key-divisor-K1", "decode-key-divisor-V1", "decode-sigmoid-K1",
+], ids=["normalized-K1", "decode-constant-divisor", "decode-key-divisor-K1", "decode-key-divisor-V1",
+        "decode-sigmoid-K1",
         "factor-loop-K1-V1", "power-loop-B1", "power-buffer-B1", "power-loop-one-chunk", "power-one-chunk-K-eq-V",
-        "power-cat-K-eq-V", "power-V1"])
+        "power-cat-K-eq-V", "power-cat-V-eq-H", "power-V1"])
 def test_known_gap(family, choices, dims):
     check_program(_gap_program(family, choices, dims), rewrite_only)
