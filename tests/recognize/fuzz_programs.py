@@ -21,7 +21,8 @@ must leave as it is (initial_state / final_state False).
 Time loops (``loop_program``) and parallel forms (``parallel_program``, q and k optionally with
 half v's heads, repeated in the code) are rendered from a dict of choices; near misses are the
 same renderers with one ``mutation``. Retention (decays from positions and constants only) is in
-fuzz_retention.py. Sizes stay tiny
+fuzz_retention.py; normalized retention, decays by a computed factor, power-decay chunks and
+buffer masks in fuzz_new_forms.py. Sizes stay tiny
 (T <= 8, K, V <= 8, B, H <= 2) so that Dynamo traces each program in well under a second.
 """
 
@@ -45,7 +46,8 @@ class Program:
     kind: str  # gla | gap | decode | near | known | equivalent
     name: str  # "<form>/<gate>" or "<form>/<mutation>", for the per-category counts
     source: str
-    args: list  # (name, shape, init) per argument; init: "randn" | "gate" | "gamma" | "state"
+    args: list  # (name, shape, init) per argument; init: "randn" | "gate" | "gamma" | "state" | "unit" |
+    # "positive"
     dtype: torch.dtype  # of q, k, v and the gate; the state is always fp32; bf16 programs cast
     # to fp32 before any arithmetic
     seed: int
@@ -78,8 +80,13 @@ class Program:
             x = torch.randn(shape, generator=gen, dtype=torch.float64)
             if init in ("gate", "gamma"):
                 x = _GATE_DISTS[self.gate_dist](x, gen)
-            # the state and a constant gate stay fp32: programs cast q, k, v and g only
-            out.append(x.to(torch.float32 if init in ("state", "gamma") else self.dtype))
+            elif init == "unit":  # a decay itself (gamma ** n), in (0.5, 1) like RetNet's: smaller ones
+                # make gamma ** -(C n) large enough that fp32 programs lose digits of d gamma
+                x = 0.5 + 0.5 * torch.sigmoid(x + 1)
+            elif init == "positive":  # a running sum of decays, >= 1
+                x = 1 + 5 * torch.rand(shape, generator=gen, dtype=torch.float64)
+            # the state and the decays stay fp32: programs cast q, k, v and g only
+            out.append(x.to(torch.float32 if init in ("state", "gamma", "unit", "positive") else self.dtype))
         return out
 
     def __repr__(self) -> str:
@@ -935,7 +942,8 @@ _NEAR_MISS_SIZES = {
 def categories() -> list:
     """(name, weight, strategy) per category. The fuzz draws from each in proportion to its
     weight: one strategy over all of them, at a few hundred draws, left some near misses out."""
-    from fuzz_retention import RETENTION_MUTATIONS, retention_program  # (it imports this module)
+    from fuzz_new_forms import new_form_categories  # (these import this module)
+    from fuzz_retention import RETENTION_MUTATIONS, retention_program
 
     cats = [
         ("loop", 30, loop_program()),
@@ -949,4 +957,4 @@ def categories() -> list:
     cats += [(f"retention/{m}", 2, retention_program(mutation=m)) for ms in RETENTION_MUTATIONS.values() for m in ms]
     cats += [(f"loop/{m}", 2, loop_program(mutation=m)) for ms in LOOP_MUTATIONS.values() for m in ms]
     cats += [(f"parallel/{m}", 2, parallel_program(mutation=m)) for ms in PAR_MUTATIONS.values() for m in ms]
-    return cats
+    return cats + new_form_categories()
