@@ -17,7 +17,8 @@ outweighs the step's own work at decode sizes. So the lowering emits, by ``confi
   steps, else extern.
 
 A call the chosen way cannot run lowers to the eager op, and the reason is logged once: the
-template needs static head sizes, dtypes and sizes the kernel supports and a Python scale; the
+template needs dtypes and sizes the kernel supports and a Python scale (symbolic head sizes and
+head counts are specialized with guards: they set the kernel's tiles and group size); the
 decomposition needs a static T of at most ``DECOMPOSE_MAX_T`` and no state pool (it has no slot
 gather and masked scatter).
 """
