@@ -223,8 +223,9 @@ class GraphModule(torch.nn.Module):
         chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, einsum_3, None, None, 1.0, True, False);  einsum = einsum_1 = einsum_2 = einsum_3 = None
         getitem_30: "f32[2, 9, 3, 5]" = chunk_fwd_default[0]
         permute: "f32[2, 3, 9, 5]" = torch.permute(getitem_30, (0, 2, 1, 3));  getitem_30 = None
+        contiguous: "f32[2, 3, 9, 5]" = permute.contiguous();  permute = None
         getitem_31: "f32[2, 3, 4, 5]" = chunk_fwd_default[1];  chunk_fwd_default = None
-        return (permute, getitem_31)
+        return (contiguous, getitem_31)
 """)
 
     def test_chunk_loop_retention(self):
@@ -242,7 +243,8 @@ class GraphModule(torch.nn.Module):
         chunk_fwd_default = torch.ops.gla_inductor.chunk_fwd.default(einsum, einsum_1, einsum_2, None, l_log_gamma_, None, 1.0, False, False);  einsum = einsum_1 = einsum_2 = l_log_gamma_ = None
         getitem_16: "f32[2, 8, 3, 5]" = chunk_fwd_default[0];  chunk_fwd_default = None
         permute: "f32[2, 3, 8, 5]" = torch.permute(getitem_16, (0, 2, 1, 3));  getitem_16 = None
-        return (permute,)
+        contiguous: "f32[2, 3, 8, 5]" = permute.contiguous();  permute = None
+        return (contiguous,)
 """)
 
     def test_loop_cache_writeback(self):

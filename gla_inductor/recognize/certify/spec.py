@@ -82,9 +82,11 @@ def emit_replacement(em: Emitter, spec: Spec, nodes: dict, shared: Optional[dict
     call = GLACall(q, k, v, g, g_gamma, h0, scale=spec.scale, output_final_state=spec.final is not None)
     op = emit_op(em, call)
     o = em.cast_like(em.relayout(em.call(operator.getitem, op, 0), "bthv", spec.out_groups), spec.out)
+    o = em.layout_like(o, spec.out)
     ht = None
     if spec.final is not None:
         ht = em.cast_like(em.relayout(em.call(operator.getitem, op, 1), "bhkv", spec.final_groups), spec.final)
+        ht = em.layout_like(ht, spec.final)
     return o, ht
 
 # ---- grouped heads ------------------------------------------------------------------------------

@@ -209,6 +209,15 @@ class Emitter:
             sizes.append(self.size(c) if full or set(subs) & present else 1)
         return self.call("reshape", node, *sizes, op="call_method")
 
+    def layout_like(self, node: fx.Node, like: fx.Node) -> fx.Node:
+        """node made contiguous where `like` (the user's tensor it replaces) is and node is not:
+        the user's code may ``view`` it or what it computes from it elementwise, which a permuted
+        layout can refuse (a size-1 batch changes which axes the relayout permutes). The copy is
+        one pass over the output, against the op's passes over q, k, v and o."""
+        if example_value(like).is_contiguous() and not example_value(node).is_contiguous():
+            node = self.call("contiguous", node, op="call_method")
+        return node
+
     def cast_like(self, node: fx.Node, like: fx.Node) -> fx.Node:
         """node in the dtype of `like` (node itself when it has it)."""
         want = example_value(like).dtype
