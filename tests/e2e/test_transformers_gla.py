@@ -198,6 +198,17 @@ def test_cached_prefill_and_decode(name, no_cost_rule):
         assert rewrites() == layers
 
 
+@pytest.mark.parametrize("name", ["bamba", "minimax"])
+def test_prefill_at_batch_one(name):
+    """Batch-1 inference: the chunk loop's one batch axis read as the heads (MiniMax's slopes
+    are per head), one rewrite per GLA layer, logits as eager's."""
+    model, layers, ids, compiled = prepared(name)
+    counters.clear()
+    with torch.no_grad():
+        assert rel_err(compiled(ids[:1], use_cache=False).logits, model(ids[:1], use_cache=False).logits) <= TOL
+    assert rewrites() == layers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_prefill_without_cache(name):

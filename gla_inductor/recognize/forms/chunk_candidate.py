@@ -123,8 +123,8 @@ def _final_options(an: Analyzer, base: Spec, nodes: set, leaves: set):
             if isinstance(val, torch.Tensor) and val.is_floating_point() and n.users:
                 cands.append(n)
     for n in reversed(cands):
-        if all(u in derived for u in n.users):
-            continue  # read only by the computation itself: a partial state, not the one it returns
+        if all(u in derived or an.consts.is_const(u) for u in n.users):
+            continue  # read only by the computation itself (or for its shape, as zeros_like): not returned
         for ls in letterings(tuple(example_value(n).shape), "bhkv", base.sizes):
             yield n, list(ls)
     yield None, []

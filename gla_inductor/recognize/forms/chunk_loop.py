@@ -26,7 +26,7 @@ from ..core.match import Match, Reject
 from ..core.op_names import VIEW_OPS, op_name
 from . import fallback, table_gate
 from .chunk_candidate import MAX_CANDIDATES, complete, letterings, match_of, module_state_reads
-from .intra_chunk import role_sizes
+from .intra_chunk import batch_letters, role_sizes
 
 MAX_SOURCE_DEPTH = 6  # views between a chunk's slice and the tensor it is cut from
 
@@ -34,11 +34,12 @@ MAX_SOURCE_DEPTH = 6  # views between a chunk's slice and the tensor it is cut f
 def find(an: Analyzer, seeds: dict) -> list:
     """(assembly, chunk outputs read as intra-chunk monomials) for each assembly of two or
     more such outputs (a last chunk of one step has no decay mask to read: the certificate
-    covers it all the same)."""
+    covers it all the same), or of one alone: a loop that ran once (T = C), whose zero state
+    read left a parallel form with a gate input the parallel forms cannot prove."""
     loops = []
     for asm in find_outputs(an):
         found = [e for e in asm.elements if e in seeds]
-        if len(found) >= 2:
+        if len(found) >= 2 or len(found) == len(asm.elements) == 1 and asm.kind in ("cat", "stack"):
             loops.append((asm, found))
     return loops
 
@@ -46,20 +47,21 @@ def find(an: Analyzer, seeds: dict) -> list:
 def analyze(an: Analyzer, asm, elems: list) -> Match:
     """elems: (node, term, roles) per chunk read as a monomial, in assembly order."""
     _, term, r = elems[0]
-    sizes = role_sizes(an, r)
     sources = {role: _source(an, [getattr(e[2], role).atom.node for e in elems]) for role in "qkv"}
-    sizes["t"] = _length(sources["q"][-1], sizes)
     out = _output(an, asm)
     too_large = None
-    for q, k, v in _leaf_options(sources, sizes):
-        for out_letters in letterings(tuple(example_value(out).shape), "bthv", sizes):
-            base = Spec(q, k, v, None, "none", None, [], out, list(out_letters), None, [], term[0], sizes)
-            try:
-                return _match(an, complete(an, base, tables_gate=True), elems[0])
-            except CertificateTooLarge as e:
-                too_large = first_too_large(too_large, e)
-            except Reject:
-                continue
+    for batch in batch_letters(r):
+        sizes = role_sizes(an, r, batch)
+        sizes["t"] = _length(sources["q"][-1], sizes)
+        for q, k, v in _leaf_options(sources, sizes):
+            for out_letters in letterings(tuple(example_value(out).shape), "bthv", sizes):
+                base = Spec(q, k, v, None, "none", None, [], out, list(out_letters), None, [], term[0], sizes)
+                try:
+                    return _match(an, complete(an, base, tables_gate=True), elems[0])
+                except CertificateTooLarge as e:
+                    too_large = first_too_large(too_large, e)
+                except Reject:
+                    continue
     raise too_large or Reject("no reading of the chunk loop as GLA was certified")
 
 

@@ -34,7 +34,7 @@ from ..certify.spec import Spec
 from . import chunk_loop, parallel, symbolic_chunks
 from .chunk_candidate import complete, match_of, readings
 from .cumsum_chunks import diagnose, unread_states
-from .intra_chunk import Roles, may_hold_chunks, role_sizes, seeds
+from .intra_chunk import Roles, batch_letters, may_hold_chunks, role_sizes, seeds
 
 
 def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
@@ -43,7 +43,7 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         return matches, near
     near += _normalized_scores(an)
     found = seeds(an)
-    loops = chunk_loop.find(an, found)
+    loops = [(asm, elems) for asm, elems in chunk_loop.find(an, found) if len(elems) > 1 or _lone_chunk(an, elems[0])]
     in_loops = {e for asm, _ in loops for e in asm.elements}
     for asm, elems in loops:
         try:
@@ -63,6 +63,12 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
     if not matches and not near:
         near += unread_states(an) or symbolic_chunks.time_cuts(an)
     return matches, near
+
+
+def _lone_chunk(an: Analyzer, out: fx.Node) -> bool:
+    """A loop that ran once, as a loop: its state read folded away with the zero state (one
+    term left) and no parallel form proves it (a gate input the chunked certificate reads)."""
+    return len(an.value(out).terms) < 2 and not parallel.proven(an, out)
 
 
 NORMALIZED = ("the intra-chunk scores q k^T D are divided by a value computed from them before the product "
@@ -115,10 +121,24 @@ def _inner(found: dict) -> set:
 
 
 def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
-    letter = {x: "bh"[n] for n, x in enumerate(r.batch)}
+    """The first naming of the batch variables that certifies (``batch_letters``); else the
+    first one's Reject."""
+    first = None
+    for batch in batch_letters(r):
+        try:
+            return _analyze_as(an, out, term, r, batch)
+        except CertificateTooLarge:
+            raise
+        except Reject as e:
+            first = first or e
+    raise first
+
+
+def _analyze_as(an: Analyzer, out: fx.Node, term, r: Roles, batch: str) -> Match:
+    letter = {x: batch[n] for n, x in enumerate(r.batch)}
     letter.update({r.kk: "k", r.vv: "v"})
     q, k, v = (_leaf(f, pos, r, letter) for f, pos in ((r.q, r.i), (r.k, r.j), (r.v, r.j)))
-    sizes = role_sizes(an, r)
+    sizes = role_sizes(an, r, batch)
     out_groups = _out_groups(an.value(out), r, letter)
     scalars = [f for f in term[1] if f.kind == "scalar"]
     if scalars:

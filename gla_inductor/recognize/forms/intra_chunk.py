@@ -152,13 +152,21 @@ def _chunk_var(f: Factor, pos: int) -> Optional[int]:
     return None
 
 
-def role_sizes(an: Analyzer, r: Roles) -> dict:
-    """Each role's size; Reject where any is symbolic (``symbolic_chunks.py`` says why)."""
-    variables = {"bh"[n]: x for n, x in enumerate(r.batch)}
+def batch_letters(r: Roles) -> list:
+    """The role letters of the batch variables, in the order to try them. One batch variable
+    (the other axis of size 1) may be the batch or the heads: the output's shape cannot tell,
+    while a decay per head only reads as GLA with it as the heads (batch-1 inference)."""
+    return ["b", "h"] if len(r.batch) == 1 else ["bh"[: len(r.batch)]]
+
+
+def role_sizes(an: Analyzer, r: Roles, batch: str = "bh") -> dict:
+    """Each role's size, the batch variables named by `batch` (``batch_letters``); Reject
+    where any size is symbolic (``symbolic_chunks.py`` says why)."""
+    variables = {batch[n]: x for n, x in enumerate(r.batch)}
     variables.update({"k": r.kk, "v": r.vv, "c": r.c, "i": r.i})
     check_static(an, variables)
     sizes = {"b": 1, "h": 1, "k": an.sizes[r.kk], "v": an.sizes[r.vv]}
     sizes["t"] = an.sizes[r.i] * (an.sizes[r.c] if r.c is not None else 1)
     for n, x in enumerate(r.batch):
-        sizes["bh"[n]] = an.sizes[x]
+        sizes[batch[n]] = an.sizes[x]
     return sizes
