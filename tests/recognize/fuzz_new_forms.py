@@ -190,24 +190,8 @@ def decay_factor_program(draw, mutation: Optional[str] = None) -> Program:
     if c["divisor"] == "head" and c["variant"] not in ("sqrt_ratio", "const_ratio"):
         args.append(("w", (d["H"],), "randn"))
     source = render_decode(c, d, [a[0] for a in args])
-    gap = decode_gap(c, d) if kind is None and mutation is None else None
-    prog = _program("decay-factor", c, d, args, source, draw(st.integers(0, 2**16)), train, "gap" if gap else kind)
-    prog.gap = gap
-    return prog
-
-
-def decode_gap(c: dict, d: dict) -> Optional[str]:
-    """Why the recognizer does not rewrite this decode step yet (found by this fuzzer)."""
-    if d["K"] == d["V"] == 1 or (c["variant"] == "sigmoid" and min(d["K"], d["V"]) == 1):
-        # (seen with sigmoid(x) [B, H, 1, 1] at K or V of 1, the sqrt ratio at B = H = K = V = 1)
-        return "K or V of 1: a factor of the state's own shape there, left alone with no reason given"
-    if c["divisor"] == "key" and min(d["K"], d["V"]) == 1 and c["variant"] not in ("sqrt_ratio", "const_ratio"):
-        # (the K-first state updated as S * a + kv is rewritten; kv + S * a and V-first are not)
-        return "a divisor per key with K or V of 1: left alone, with no reason given"
-    if c["divisor"] == "const_head" and c["variant"] not in ("sqrt_ratio", "const_ratio"):
-        # (torch.full((H, 1, 1), 2.0) too; a divisor computed from an input is folded)
-        return "kv divided by a per-head tensor built from constants: left alone, with no reason given"
-    return None
+    # (the former gaps, a divisor built from constants and K or V of 1, are rewritten now)
+    return _program("decay-factor", c, d, args, source, draw(st.integers(0, 2**16)), train, kind)
 
 
 def render_decode(c: dict, d: dict, params: list) -> str:
@@ -277,12 +261,7 @@ def _loop_program(c: dict, d: dict, seed: int, train: bool) -> Program:
     if c["divisor"] != "none":
         args.append(("y", (B, T, H), "randn"))
     c = dict(c, variant=f"loop_{c['variant']}")
-    # found by this fuzzer: at K = V = 1 such a loop is left alone, with no reason given
-    gap = "K = V = 1: left alone, with no reason given" if K == V == 1 else None
-    prog = _program("decay-factor", c, d, args, render_factor_loop(c, [a[0] for a in args]), seed, train,
-                    kind="gap" if gap else None)
-    prog.gap = gap
-    return prog
+    return _program("decay-factor", c, d, args, render_factor_loop(c, [a[0] for a in args]), seed, train)
 
 
 def render_factor_loop(c: dict, params: list) -> str:

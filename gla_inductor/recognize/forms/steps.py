@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..core.algebra import (
-    AV, Factor, Mono, Opaque, comps, factor_vars, make_entry, mono_vars, out_vars, resolve, sub_mono,
+    AV, Atom, Factor, Mono, Opaque, comps, factor_vars, make_entry, mono_vars, out_vars, resolve, sub_mono,
 )
 from ..core.analyzer import Analyzer
 from ..core.assembly import Assembly, find_outputs
@@ -72,14 +72,14 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
     terms = av.terms
     if not all(mono_vars(m) <= out_set for m in terms):
         return None
-    full = [[f for f in fs if is_full_atom(f, av.out)] for _, fs in terms]
+    full = [_state_factors([f for f in fs if is_full_atom(f, av.out)]) for _, fs in terms]
     decay, prev, prev_view = None, None, False
     if len(terms) == 1:
         if full[0]:
             return None
         outer = terms[0]
     else:
-        d = _decay_term(terms, full)
+        d = _decay_term(terms, full, av.out)
         if d is None:
             return None
         pf, (coef, fs) = full[d][0], terms[d]
@@ -89,6 +89,17 @@ def parse_step(an: Analyzer, node: fx.Node) -> Optional[Step]:
     if not _is_outer_product(outer, av.out):
         return None
     return Step(node, av, prev, decay, outer, prev_view)
+
+
+def _state_factors(full: list) -> list:
+    """The factors of a term indexed like the whole state that may be the state: where K = V = 1
+    a decay sigmoid(x_t) [B, H, 1, 1] is indexed like the state S [B, H, 1, 1] it multiplies;
+    of several such, the one that may be a state (an update, an input) where it is the only one."""
+    if len(full) > 1:
+        states = [f for f in full if _state_like(f.atom.node)]
+        if len(states) == 1:
+            return states
+    return full
 
 
 def expand_quotients(an: Analyzer, av: AV) -> AV:
@@ -186,11 +197,16 @@ def _operand_mono(an: Analyzer, div: fx.Node, x) -> Optional[tuple]:
 
 
 def _inverse(fs: tuple) -> Optional[tuple]:
-    """The factors of 1 / prod(fs): an atom a becomes inv(a), exp(L) becomes exp(-L)."""
+    """The factors of 1 / prod(fs): an atom a becomes inv(a), exp(L) becomes exp(-L). A tensor
+    built from constants (torch.full((H, 1, 1), 2.0), sqrt(1 + arange(H))) becomes inv of it as
+    an atom: the op divides by that node as by any other tensor (a mask, a negated const, is
+    not a value to divide by)."""
     res = []
     for f in fs:
         if f.kind == "atom":
             res.append(Factor("inv", f.idx, atom=f.atom))
+        elif f.kind == "const" and not f.negate and f.node is not None:
+            res.append(Factor("inv", f.idx, atom=Atom(f.node)))
         elif f.kind == "exp":
             res.append(Factor("exp", f.idx, inner=tuple((-c, g) for c, g in f.inner)))
         else:
@@ -198,17 +214,29 @@ def _inverse(fs: tuple) -> Optional[tuple]:
     return tuple(res)
 
 
-def _decay_term(terms: tuple, full: list) -> Optional[int]:
+def _decay_term(terms: tuple, full: list, out: tuple) -> Optional[int]:
     """Which of two terms decays the previous state: the one with one factor indexed like the
     whole state. Both may have one where K or V has size 1: v_t [B, H, V] is indexed like the
     state [B, H, 1, V] where it is read at no time index (a decode step, or a v_t each step
     computes); then the one whose factor may be a state (an update, an input), and of those
-    the one with fewer other tensor factors (S * exp(g) rather than k * v). (A full factor in
-    the other term is no outer product, unless the state has a size-1 axis.)"""
+    the one with fewer other tensor factors (S * exp(g) rather than k * v), then the one of the
+    state's rank (the cache [B, H, 1, V] rather than v_t [B, H, V] viewed to it, with k_t and a
+    decay sigmoid(x) [B, H, 1, 1] alike at K of 1), then the one indexed as the state is (the
+    cache [B, H, K, 1] rather than k_t [B, H, 1, K] transposed to it at V of 1), then the one
+    whose other factors are fewer graph inputs (S * sigmoid(x) rather than k * v, alike where
+    the V-first state is [B, H, 1, K] and v [B, H, 1]). (A full factor in the other term is no
+    outer product, unless the state has a size-1 axis.)"""
     cands = [i for i in (0, 1) if len(full[i]) == 1]
     if len(cands) == 2:
-        cands.sort(key=lambda i: (not _state_like(full[i][0].atom.node), sum(f.kind == "atom" for f in terms[i][1])))
+        cands.sort(key=lambda i: (not _state_like(full[i][0].atom.node), sum(f.kind == "atom" for f in terms[i][1]),
+                                  len(full[i][0].idx) != len(out), full[i][0].idx != out, _inputs(terms[i], full[i][0])))
     return cands[0] if cands else None
+
+
+def _inputs(term: Mono, pf: Factor) -> int:
+    """How many factors of a term besides pf are graph inputs read whole (k, v; not a decay the
+    graph computes)."""
+    return sum(f is not pf and f.kind == "atom" and f.atom.node.op == "placeholder" for f in term[1])
 
 
 def _is_outer_product(m: Mono, out: tuple) -> bool:
