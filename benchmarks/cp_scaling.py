@@ -28,21 +28,17 @@ NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (NVLink multicast off)
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks import harness, report
 
-PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 CPU_SIZE = {"T": 256, "H": 2, "K": 16}
 
 
@@ -178,32 +174,11 @@ def tp_rank(rank, world, args, device) -> dict:
     return {"world": world, "heads_per_rank": H // world, "dtensor_ms": dt_ms, "local_heads_ms": local_ms}
 
 
-def worker(rank, world, port, args, queue):
-    os.environ.update(PROCESS_ENV)
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        result = (tp_rank if args.mode == "tp" else cp_rank)(rank, world, args, device)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(world: int, args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(world, port, args, queue), nprocs=world)
-    return queue.get()
+def rank_result(rank, world, args, device) -> dict:
+    return (tp_rank if args.mode == "tp" else cp_rank)(rank, world, args, device)
 
 
 def run(args):
-    os.environ.update(PROCESS_ENV)  # inherited by the spawned processes, which set it again themselves
     if args.device == "cuda":
         harness.require_cuda("cp-scaling")
     if args.device == "cpu":
@@ -219,12 +194,12 @@ def run(args):
         args.iters = 2
     result = report.new_result(f"cp-scaling-{args.mode}", f"{'Context' if args.mode == 'cp' else 'Tensor'}-parallel "
                                "scaling of GLA", args.device, mode=args.mode, T=args.T, H=args.H, K=args.K,
-                               compiled=args.compile, iters=args.iters, **PROCESS_ENV)
+                               compiled=args.compile, iters=args.iters, **harness.PROCESS_ENV)
     for w in worlds:
         if args.mode == "tp" and w == 1:
             continue
         print(f"[cp-scaling] {args.mode} W={w}", file=sys.stderr, flush=True)
-        row = run_world(w, args)
+        row = harness.run_ranks(rank_result, w, args)
         harness.log(row)
         result.rows.append(row)
     result.notes += notes

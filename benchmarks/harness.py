@@ -14,7 +14,10 @@ neighbours) moves all of them alike; a ratio is then best taken per round (``rou
 
 from __future__ import annotations
 
+import datetime
 import gc
+import os
+import socket
 import statistics
 import sys
 import time
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 L2_FLUSH_BYTES = 256 * 2**20  # more than any GPU's L2 (triton.testing's choice)
 
@@ -305,3 +310,45 @@ def log(row: dict) -> None:
 def parse_shapes(text: str) -> list:
     """'8,2048,16,128,128;1,8192,96,128,128' -> [(8, 2048, 16, 128, 128), (1, 8192, 96, 128, 128)]."""
     return [tuple(int(x) for x in s.split(",")) for s in text.split(";") if s.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# several processes (the distributed benchmarks)
+# ---------------------------------------------------------------------------------------------
+
+# NVLink multicast off in every process on the lent multi-GPU machines
+PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def run_ranks(rank_fn: Callable, world: int, args, *, bind_device: bool = False, one_thread: bool = False):
+    """What rank 0's ``rank_fn(rank, world, args, device)`` returns, run in ``world`` spawned
+    processes joined by a process group (NCCL on CUDA, gloo on the CPU). ``bind_device``: the
+    group is created for the rank's GPU (``device_id``); ``one_thread``: one torch thread per
+    rank on the CPU. ``rank_fn`` must be a module-level function (spawn pickles it by name)."""
+    os.environ.update(PROCESS_ENV)  # inherited by the spawned processes, which set it again themselves
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_rank_worker, args=(world, port, rank_fn, args, queue, bind_device, one_thread), nprocs=world)
+    return queue.get()
+
+
+def _rank_worker(rank, world, port, rank_fn, args, queue, bind_device, one_thread):
+    os.environ.update(PROCESS_ENV)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    options = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if bind_device:
+            options["device_id"] = device
+    elif one_thread:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300), **options)
+    try:
+        result = rank_fn(rank, world, args, device)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()

@@ -13,21 +13,16 @@ the DTensor / plain ratio of every rank and the largest of them.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks import harness, report
 
-PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 CPU_SIZE = {"T": 64, "H": 4, "K": 16}
 PASSES = [("eager", "fwd"), ("eager", "fwd+bwd"), ("compiled", "fwd"), ("compiled", "fwd+bwd")]
 
@@ -131,36 +126,7 @@ def rank_rows(rank, world, args, device) -> list:
     return rows
 
 
-def worker(rank, world, port, args, queue):
-    os.environ.update(PROCESS_ENV)
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    options = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        options["device_id"] = device
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300), **options)
-    try:
-        rows = rank_rows(rank, world, args, device)
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(world: int, args) -> list:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(world, port, args, queue), nprocs=world)
-    return queue.get()
-
-
 def run(args):
-    os.environ.update(PROCESS_ENV)  # inherited by the spawned processes, which set it again themselves
     if args.device == "cuda":
         harness.require_cuda("tp-overhead")
     if args.device == "cpu":
@@ -170,7 +136,7 @@ def run(args):
     worlds = [int(w) for w in args.worlds.split(",")]
     result = report.new_result("tp-overhead", "Tensor parallel over heads: DTensor call against the rank's heads",
                                args.device, T=args.T, H=args.H, K=args.K, iters=args.iters, rounds=args.rounds,
-                               **PROCESS_ENV)
+                               **harness.PROCESS_ENV)
     if args.device == "cuda":
         dropped = [w for w in worlds if w > torch.cuda.device_count()]
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
@@ -178,7 +144,7 @@ def run(args):
             result.notes.append(f"worlds {dropped} left out: {torch.cuda.device_count()} GPU(s) visible")
     for w in worlds:
         print(f"[tp-overhead] W={w}", file=sys.stderr, flush=True)
-        for row in run_world(w, args):
+        for row in harness.run_ranks(rank_rows, w, args, bind_device=True, one_thread=True):
             harness.log(row)
             result.rows.append(row)
     result.sections.append(table(result.rows))

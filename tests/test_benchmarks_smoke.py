@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks import __main__ as cli
+from benchmarks import harness
 from benchmarks.registry import BENCHMARKS
 
 NEW = ("never-slower", "pool-decode", "varlen", "cp-scaling")
@@ -115,20 +116,18 @@ def test_cp_scaling_tables_and_process_environment(monkeypatch):
     text = cp_scaling.cp_table(rows)
     assert rows[1]["speedup"] == pytest.approx(1.6) and rows[1]["comm_in_step_share"] == pytest.approx(0.08)
     assert "1.60" in text
-    assert cp_scaling.PROCESS_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    assert harness.PROCESS_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 @pytest.mark.slow
 def test_cp_scaling_cpu_one_and_two_processes(capsys, monkeypatch):
     """gloo processes on CPU (tens of seconds: each spawns and imports torch)."""
-    from benchmarks import cp_scaling
-
-    for name in cp_scaling.PROCESS_ENV:  # run() sets them for its children; restored after the test
+    for name in harness.PROCESS_ENV:  # run() sets them for its children; restored after the test
         monkeypatch.setenv(name, "unset")
     assert cli.main(["cp-scaling", "--device", "cpu", "--worlds", "1,2", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "| 2 | 128 |" in out
-    assert all(os.environ[name] == value for name, value in cp_scaling.PROCESS_ENV.items())
+    assert all(os.environ[name] == value for name, value in harness.PROCESS_ENV.items())
 
 
 def test_fla_warm_reports_a_child_past_its_limit(monkeypatch, tmp_path):
