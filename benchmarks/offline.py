@@ -41,6 +41,8 @@ MODES = {  # template, extra options, main output (rank, dtype)
               (4, "bf16")),
     "carry_dual": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=True, STORE_STATES=True, STORE_HT=False, **_CARRY),
                    (4, "bf16")),
+    "carry_terms": ("gla_chunk_carry", dict(WRITE_OUT=True, DUAL=False, STORE_STATES=False, STORE_HT=True, TERMS=True,
+                                            **_CARRY), (4, "bf16")),
     "carry_states": ("gla_chunk_carry", dict(WRITE_OUT=False, DUAL=False, STORE_STATES=True, STORE_HT=False, **_CARRY),
                      (5, "bf16")),
     "local": ("gla_chunk_local", dict(TRANSPOSE=False), (4, "bf16")),

@@ -4,8 +4,10 @@
 
   schedule  the forward's schedules and tiles (``chunk_fwd``): the fused scan over value tiles, warps,
             stages and 128-step chunks, and in segments ("fused P="); the split schedule over its
-            output kernel's tiles, and its states scan in segments ("split P="); the local schedule
-            over the carry's tiles and segments. Events clock (host time included), every
+            output kernel's tiles, and its states scan in segments ("split P="); scalar gates: the
+            forward as one carry computing its chunk terms ("terms P="); the local schedule
+            over the carry's tiles and segments. Events clock (host time included; --graph: CUDA
+            graph replays, GPU time), every
             config checked against the default one. Several shapes: --shapes 'B,T,H,K,V;...'.
   segments  the carries' segments (``ChunkConfig.segments``) and tiles of the local schedule, forward
             and backward, in CUDA graphs (GPU time); checked against the first config.
@@ -98,17 +100,17 @@ def probe_and_time(named: dict, rounds: int, clock: str) -> list:
     return list(rows.values())
 
 
-def schedule_configs(base) -> list:
+def schedule_configs(base, vector_gate: bool = False) -> list:
     from benchmarks.internals import TileConfig
 
     rep = dataclasses.replace
     out = [("default", base)]
     for bv, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2)):
-        out.append((f"fused BV={bv} w={w} s={s}", rep(base, scan=TileConfig(bv, w, s))))
+        out.append((f"fused BV={bv} w={w} s={s}", rep(base, terms=False, scan=TileConfig(bv, w, s))))
     for bv, w in itertools.product((32, 64, 128), (4, 8)):
-        out.append((f"split out BV={bv} w={w}", rep(base, split=True, output=TileConfig(bv, w, 2))))
+        out.append((f"split out BV={bv} w={w}", rep(base, terms=False, split=True, output=TileConfig(bv, w, 2))))
     for bv, w in itertools.product((32, 64), (4, 8)):  # longer chunks: half the scan's steps, larger dots
-        out.append((f"fused BT=128 BV={bv} w={w}", rep(base, block_t=128, scan=TileConfig(bv, w, 2))))
+        out.append((f"fused BT=128 BV={bv} w={w}", rep(base, terms=False, block_t=128, scan=TileConfig(bv, w, 2))))
     for bv, w, s in itertools.product((32, 64), (4, 8), (1, 2)):  # one stage: half the shared memory
         out.append((f"local carry BV={bv} w={w} s={s}", rep(base, local=True, carry=TileConfig(bv, w, s), segments=1)))
     for p, bv in itertools.product((2, 4, 8, 16), (32, 64)):
@@ -118,11 +120,18 @@ def schedule_configs(base) -> list:
     # P=1 is the one walk at the same tile
     for p, bv, w in itertools.product((1, 2, 4, 8, 16), (32, 64), (4, 8)):
         out.append((f"fused P={p} BV={bv} w={w}",
-                    rep(base, local=False, scan=TileConfig(bv, w, 2), scan_segments=p)))
+                    rep(base, local=False, terms=False, scan=TileConfig(bv, w, 2), scan_segments=p)))
+    # the forward as one carry computing its chunk terms (scalar, constant and no gates), in segments
+    if not vector_gate:
+        for p, bv, w in itertools.product((1, 2, 4, 8, 16), (64, 128), (4, 8)):
+            if bv == 128 and w == 4:
+                continue  # spills (offline sm_90 compile: `profile sm90 --mode carry_terms`)
+            out.append((f"terms P={p} BV={bv} w={w}",
+                        rep(base, local=False, terms=True, carry=TileConfig(bv, w, 2), segments=p)))
     # the split schedule with its states scan in segments, then the chunk-parallel output kernel
     for p, w in itertools.product((1, 2, 4, 8, 16), (4, 8)):
         out.append((f"split P={p} out BV=64 w={w}",
-                    rep(base, local=False, split=True, output=TileConfig(64, w, 2), scan_segments=p)))
+                    rep(base, local=False, terms=False, split=True, output=TileConfig(64, w, 2), scan_segments=p)))
     return out
 
 
@@ -132,12 +141,12 @@ def run_schedule(args, shape, gate) -> list:
     q, k, v, g = sweep_inputs(shape, gate)
     B, T, H, K, V = shape
     base = internals.default_chunk_config(B, T, H, K, V, q.dtype, gate == "vector", q.device)
-    configs = schedule_configs(base)
+    configs = schedule_configs(base, gate == "vector")
     if args.only:
         configs = [(n, c) for n, c in configs if n == "default" or any(o in n for o in args.only.split("|"))]
     named = {n: ({}, {"fwd": lambda c=c: internals.chunk_fwd_kernel(q, k, v, g, scale=K**-0.5, config=c)[0]})
              for n, c in configs}
-    return probe_and_time(named, args.rounds, "events")
+    return probe_and_time(named, args.rounds, "graph" if args.graph else "events")
 
 
 def run_segments(args, shape, gate) -> list:

@@ -71,7 +71,7 @@ def _configs() -> dict:
         "local_bv128_w8": local(128, 8), "local_bv128_w4": local(128, 4), "local_bv32_w4": local(32, 4),
         "local_bv64_w4_lw8": local(64, 4, local_warps=8), "local_bv128_w8_lw8": local(128, 8, local_warps=8),
         "local_bv32_w4_lw8": local(32, 4, local_warps=8), "local_bv64_w8_lw8": local(64, 8, local_warps=8),
-        "fused": lambda b: rep(b, local=False),
+        "fused": lambda b: rep(b, local=False, terms=False),
         "carry_w8": lambda b: rep(b, carry=TileConfig(64, 8, 2)),
         "carry_bv32": lambda b: rep(b, carry=TileConfig(32, 4, 2)),
         "bt64_carry_w8": lambda b: rep(b, block_t=64, carry=TileConfig(64, 8, 2)),

@@ -189,30 +189,41 @@ class _Launcher:
         return qs, ks, A, dl
 
     def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,
-              dl: Optional[Tensor], x=None, A=None, h0=None, h=None, ht=None, segments: int = 1) -> None:
-        """gla_chunk_carry (see the template), on gla_chunk_local's terms; with segments > 1, first
-        the segments' sums (``segment_sums``), then the walk, both in parallel over the segments."""
+              dl: Optional[Tensor], x=None, A=None, h0=None, h=None, ht=None, segments: int = 1,
+              terms: bool = False) -> None:
+        """gla_chunk_carry (see the template), on gla_chunk_local's terms, or with ``terms`` on q (x)
+        and k (y) and the gate themselves (TERMS: scalar, constant and no gates); with segments > 1,
+        first the segments' sums (``segment_sums``), then the walk, both in parallel over the
+        segments."""
         tiles = self.cfg.carry
         store_ht = ht is not None and ht.numel() > 0
-        hs, ds = self.segment_sums(y, v, dl, dual, segments) if segments > 1 else (None, None)
+        hs, ds = self.segment_sums(y, v, dl, dual, segments, terms) if segments > 1 else (None, None)
         options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
-                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments), BV=tiles.block_v)
-        tensors = dict(x=x, A=A, y=y, v=v, dl=dl, h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None,
-                       cu_seqlens=self.cu_seqlens)
+                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments),
+                       BV=tiles.block_v, TERMS=terms)
+        tensors = dict(x=x, A=A, y=y, v=v, dl=dl) if not terms else dict(q=x, k=y, v=v, **self.gates)
+        tensors.update(h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None, cu_seqlens=self.cu_seqlens)
         grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
 
-    def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool,
-                     segments: int) -> tuple[Tensor, Optional[Tensor]]:
+    def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool, segments: int,
+                     terms: bool = False) -> tuple[Tensor, Optional[Tensor]]:
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs [B, P, H, K, V], ds [B, P, H(, K)] or None), the
         state each of the P segments leaves from a zero start and the decay across it."""
         tiles = self.cfg.carry
         hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        ds = None if dl is None else torch.empty(self.N, segments, *dl.shape[2:], dtype=torch.float32,
-                                                  device=self.device)
-        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True), BV=tiles.block_v)
+        if terms:
+            gated = self.options["USE_G"] or self.options["USE_G_GAMMA"]
+            ds = torch.empty(self.N, segments, self.H, dtype=torch.float32, device=self.device) if gated else None
+            tensors = dict(k=y, v=v, **self.gates, ds=ds)
+        else:
+            ds = None if dl is None else torch.empty(self.N, segments, *dl.shape[2:], dtype=torch.float32,
+                                                      device=self.device)
+            tensors = dict(y=y, v=v, dl=dl, ds=ds)
+        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True),
+                       BV=tiles.block_v, TERMS=terms)
         grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
-        _launch("gla_chunk_carry", options, dict(y=y, v=v, dl=dl, ds=ds, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
+        _launch("gla_chunk_carry", options, dict(tensors, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
         return hs, ds
 
     def output(self, out: Tensor, *, dual: bool, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> None:
@@ -283,6 +294,9 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
         run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht,
                  segments=cfg.scan_segments)
         run.output(o, dual=False, q=q, k=k, v=v, h=h)
+    elif cfg.terms:
+        run.carry(o, write_out=True, dual=False, store_states=False, x=q, y=k, v=v, dl=None, h0=initial_state, ht=ht,
+                  segments=cfg.segments, terms=True)
     else:
         run.scan(o, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state, ht=ht,
                  segments=cfg.scan_segments)
@@ -296,7 +310,7 @@ def forward_with_prefix_states(call: GLACall, interval: int, config: Optional[Ch
     for prefix caching (``impl.prefix_states`` and gla_chunk_scan's PREFIX_STATES say where). Fused
     schedule, not reverse."""
     call, cfg = _prepare(call, config)
-    cfg = dataclasses.replace(cfg, local=False, split=False, segments=1, scan_segments=1,
+    cfg = dataclasses.replace(cfg, local=False, split=False, terms=False, segments=1, scan_segments=1,
                               block_t=min(cfg.block_t, interval))
     q, k, v = call.q, call.k, call.v
     B, T, _, K = q.shape

@@ -68,6 +68,10 @@ class ChunkConfig:
     # and k, intra-chunk scores) then gla_chunk_carry (the scans, three dots per chunk); False: the
     # fused (or split) schedule of gla_chunk_scan
     local: bool = False
+    # the forward of scalar, constant and no gates as one gla_chunk_carry that computes its chunk
+    # terms itself (TERMS; its tile ``carry``, its segments ``segments``), instead of the fused scan;
+    # the backward is unchanged
+    terms: bool = False
     local_tile: TileConfig = TileConfig(block_v=0, num_warps=8, num_stages=2)
     carry: TileConfig = TileConfig(block_v=64, num_warps=4, num_stages=2)
     # segments of the carries' walks, each walked by its own programs (``carry_segments``); 1: one
@@ -220,6 +224,21 @@ def scan_segments(B: int, H: int, V: int, block_v: int, NT: int, sms: int) -> in
     return segments
 
 
+def terms_segments(B: int, H: int, V: int, BK: int, NT: int, sms: int) -> int:
+    """Segments of the forward's carry that computes its chunk terms (``ChunkConfig.terms``): the
+    walk is cut in two while twice its B * H * cdiv(V, 64) programs (times the segments) still fit
+    in 2 per SM for K > 64, or 8 per SM for K <= 64, and each segment keeps at least 4 chunks. At
+    K > 64 a third program per SM would not be resident (255 registers per thread with 4 warps) and
+    more segments lost to their sums' extra pass; at K = 64 eight per SM won, their shorter walks
+    overlapping over waves (results/h200-2026-11-27-terms.md)."""
+    programs = B * H * math.ceil(V / 64)
+    slots = sms * (2 if BK > 64 else 8)
+    segments = 1
+    while segments < 16 and 2 * segments * programs <= slots and NT >= 8 * segments:
+        segments *= 2
+    return segments
+
+
 def env_scan_segments() -> Optional[tuple[int, int]]:
     """GLA_INDUCTOR_SCAN_SEGMENTS="P" or "P,Q": the forward's scan segments P and the backward's Q (P
     when not given) for every call that takes the fused schedule, instead of ``scan_segments``; for
@@ -272,8 +291,14 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     if forced is not None:
         fwd_segments, bwd_segments = forced
     scan_v = block_v  # the forward scan's value tile where it walks in segments (not narrowed)
+    # the forward of the fused scans' gates as one carry computing its chunk terms: faster than the
+    # fused scan at every measured shape but (8, 1024, 8, 64, 64) (0.025 against 0.022 ms), with no
+    # register spills where the scan spilled (results/h200-2026-11-27-terms.md)
+    terms = fused_scans
+    terms_p = 1
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+        terms_p = terms_segments(B, H, V, BK, NT, sms)
         if fused_scans and forced is None:
             fwd_segments = scan_segments(B, H, V, block_v, NT, sms)
         while block_v > 32 and B * H * math.ceil(V / block_v) < sms:
@@ -293,6 +318,11 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     carry_warps = 4 if BK <= 128 or dtype != torch.float32 else 8
     if BK > 128 and dtype != torch.float32 and segments == 1 and carry_v == 64 and V > 64:
         carry_v, carry_warps = 128, 8
+    if terms:
+        # value tiles of 64 with one warpgroup: 8 warps split the state's 64 rows of the dots between
+        # two warpgroups and ran 2-3x slower; tiles of 128 with 8 warps read q and k once, but one
+        # program per SM lost (results/h200-2026-11-27-terms.md)
+        carry_v, carry_warps, segments = 64, 4, terms_p
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
     # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
@@ -312,6 +342,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         dqkg=dqkg_tile(BK, BV, vector_gate, warps, stages, dtype != torch.float32),
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
         local=local,
+        terms=terms,
         carry=TileConfig(block_v=carry_v, num_warps=carry_warps, num_stages=stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
         segments=segments,

@@ -302,27 +302,38 @@ class _Plan:
                          [dict(tiles=self.cfg.local_tile)])
         return qs, ks, A, dl
 
-    def carry(self, layout, *, write_out: bool, dual: bool, store_states: bool, segments: int = 1, **tensors):
-        """gla_chunk_carry on gla_chunk_local's terms: returns the main output; ``h`` and ``ht`` are
-        written. With segments > 1, after the segments' sums (``segment_sums``). One tile (the
-        eager default): its max-autotune space is not explored yet."""
-        tensors = {n: t for n, t in {**tensors, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
+    def carry(self, layout, *, write_out: bool, dual: bool, store_states: bool, segments: int = 1,
+              terms: bool = False, **tensors):
+        """gla_chunk_carry on gla_chunk_local's terms, or with ``terms`` on q, k and the gate
+        themselves (TERMS): returns the main output; ``h`` and ``ht`` are written. With segments > 1,
+        after the segments' sums (``segment_sums``). One tile (the eager default): its max-autotune
+        space is not explored yet."""
+        extra = dict(self.gates) if terms else {}
+        tensors = {n: t for n, t in {**tensors, **extra, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
         if segments > 1:
-            hs, ds = self.segment_sums(tensors["y"], tensors["v"], tensors.get("dl"), dual, segments)
+            y = tensors["k" if terms else "y"]
+            hs, ds = self.segment_sums(y, tensors["v"], tensors.get("dl"), dual, segments, terms)
             tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
-        options = carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
-                                use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments)
+        options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                                     use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments),
+                       TERMS=terms)
         tiles = self.cfg.carry
         return self._select(CARRY, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
 
-    def segment_sums(self, y, v, dl, dual: bool, segments: int):
+    def segment_sums(self, y, v, dl, dual: bool, segments: int, terms: bool = False):
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs, ds), the state each segment leaves from a zero
         start (main output) and the decay across it (None without a gate)."""
         N, H = self.N, self.H  # the states' batch: the sequences, where packed
-        ds = None if dl is None else _empty((N, segments, *dl.get_size()[2:]), torch.float32, self.device)
-        tensors = {n: t for n, t in dict(y=y, v=v, dl=dl, ds=ds, cu_seqlens=self.cu_seqlens).items() if t is not None}
-        options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True)
+        if terms:
+            gated = self.options["USE_G"] or self.options["USE_G_GAMMA"]
+            ds = _empty((N, segments, H), torch.float32, self.device) if gated else None
+            named = dict(k=y, v=v, **self.gates, ds=ds)
+        else:
+            ds = None if dl is None else _empty((N, segments, *dl.get_size()[2:]), torch.float32, self.device)
+            named = dict(y=y, v=v, dl=dl, ds=ds)
+        tensors = {n: t for n, t in dict(named, cu_seqlens=self.cu_seqlens).items() if t is not None}
+        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True), TERMS=terms)
         tiles = self.cfg.carry
         layout = _layout(self.device, torch.float32, (N, segments, H, self.K, self.V))
         hs = self._select(CARRY, options, tensors, layout, [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
@@ -404,6 +415,9 @@ def chunk_fwd(*args, **kwargs):
         qs, ks, A, dl = plan.local(q, k, transpose=False)
         o = plan.carry(layout, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl,
                        h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.segments)
+    elif plan.cfg.terms:
+        o = plan.carry(layout, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state,
+                       ht=ht if output_final_state else None, segments=plan.cfg.segments, terms=True)
     else:
         o = plan.scan(layout, plan.cfg.scan, write_out=True, dual=False, store_states=False, q=q, k=k, v=v,
                       h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.scan_segments)

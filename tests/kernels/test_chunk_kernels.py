@@ -79,11 +79,13 @@ class Case:
     split: bool = False  # the split schedule: states scans, then chunk-parallel outputs
     local: bool = False  # the forward's local schedule: chunk-local terms, then the carry scan
     segments: int = 1  # the local forward's carry cut into segments walked in parallel
+    terms: bool = False  # the forward as one carry computing its chunk terms (scalar, constant, no gate)
 
     @property
     def id(self) -> str:
         parts = [self.gate, f"B{self.B}-T{self.T}-H{self.H}-K{self.K}-V{self.V}", str(self.dtype)[6:]]
-        parts += [name for name in ("h0", "ht", "reverse", "transposed", "split", "local") if getattr(self, name)]
+        parts += [name for name in ("h0", "ht", "reverse", "transposed", "split", "local", "terms")
+                  if getattr(self, name)]
         if self.segments > 1:
             parts.append(f"segments{self.segments}")
         if self.gate_fn is not _logsigmoid_gate:
@@ -174,6 +176,18 @@ CASES = [
     # has, before forward_scan_tile narrowed its value tiles; not a default path, not re-run there.)
     Case("vector", T=70, K=256, V=200, dtype=bf16, h0=True, ht=True, reverse=True, local=True),
     Case("scalar", T=70, K=256, V=40, dtype=bf16, ht=True, local=True),
+    # the forward as one carry that computes its chunk terms (TERMS): partial chunks, reverse, 16-bit,
+    # steep gates, segments (3 chunks in 4: the last segment empty)
+    Case("scalar", T=1, K=12, V=20, h0=True, ht=True, terms=True),
+    Case("scalar", B=2, T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True, terms=True),
+    Case("scalar", T=130, H=2, K=32, V=32, dtype=bf16, h0=True, ht=True, transposed=True, terms=True),
+    Case("scalar", T=200, h0=True, ht=True, reverse=True, gate_fn=_steep_gate, tol_scale=10, terms=True),
+    Case("const", B=2, T=65, H=2, K=20, V=12, h0=True, ht=True, reverse=True, terms=True),
+    Case("none", T=33, H=2, K=32, V=32, dtype=bf16, h0=True, terms=True),
+    Case("scalar", T=300, H=2, K=32, V=32, h0=True, ht=True, reverse=True, segments=3, terms=True),
+    Case("const", T=300, H=2, K=20, V=12, ht=True, segments=3, terms=True),
+    Case("none", T=130, K=20, V=12, h0=True, ht=True, segments=4, terms=True),
+    Case("scalar", T=300, H=2, K=32, V=32, dtype=bf16, ht=True, segments=3, terms=True),
 ]
 
 
@@ -212,7 +226,7 @@ def test_chunk_fwd_bwd_match_reference(case: Case):
     scale = case.K**-0.5
     config = kconfigs.default_config(case.B, case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
                                          q.device)
-    config = dataclasses.replace(config, split=case.split, local=case.local, segments=case.segments)
+    config = dataclasses.replace(config, split=case.split, local=case.local, segments=case.segments, terms=case.terms)
     o, ht = kchunk.forward(GLACall(q, k, v, g, g_gamma, h0, scale, case.ht, case.reverse), config=config)
     grads = kchunk.backward(GLACall(q, k, v, g, g_gamma, h0, scale, reverse=case.reverse), do, dht, config=config)
     ref_o, ref_ht, ref_grads = _reference(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse)
@@ -294,7 +308,7 @@ def test_scan_narrow_value_tiles(gate, final_state, warps):
     q, k, v, g, g_gamma, h0, _, _ = _make_inputs(case, DEVICE)
     tiles = kconfigs.TileConfig(block_v=32, num_warps=warps, num_stages=2)
     config = dataclasses.replace(kconfigs.default_config(1, 128, 1, 64, 64, bf16, False, q.device), block_t=64,
-                                 scan=tiles, states=tiles, dual=tiles)
+                                 scan=tiles, states=tiles, dual=tiles, terms=False)
     o, ht = kchunk.forward(GLACall(q, k, v, g, g_gamma, h0, 0.125, final_state, False), config=config)
     ref_o, ref_ht = loop_reference(dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma), scale=0.125)
     assert_rel_close("o (first chunk)", o[:, :64], ref_o[:, :64], TOL[bf16])

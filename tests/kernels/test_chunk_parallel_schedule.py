@@ -91,7 +91,7 @@ CASES = [
 def _config(case: Case, B=None, T=None):
     cfg = kconfigs.default_config(B or case.B, T or case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
                                   torch.device(DEVICE))
-    return dataclasses.replace(cfg, block_t=BT, split=case.split, local=False, scan_segments=case.fwd,
+    return dataclasses.replace(cfg, block_t=BT, split=case.split, local=False, terms=False, scan_segments=case.fwd,
                                bwd_scan_segments=case.bwd)
 
 
@@ -349,7 +349,7 @@ def test_lowering_runs_the_segmented_scans(gate, monkeypatch, inductor_triton):
     from gla_inductor.lowerings import chunk as lowering
 
     def segmented(*args):
-        return dataclasses.replace(kconfigs.default_config(*args), block_t=BT, local=False, scan_segments=3,
+        return dataclasses.replace(kconfigs.default_config(*args), block_t=BT, local=False, terms=False, scan_segments=3,
                                    bwd_scan_segments=2)
 
     monkeypatch.setattr(lowering, "default_config", segmented)

@@ -34,7 +34,8 @@ def _kernels():
 def run_kernels(inputs, reverse=False, scale=0.25, schedule=None):
     """(o, final state) of chunk_fwd_triton, on CPU for comparison. schedule: None (the default one,
     the fused scan at these sizes), "split", "local" or "segments" (local, the carries' walks cut
-    in two segments)."""
+    in two segments), "terms" (the carry computing its chunk terms; not for vector gates) or
+    "terms-segments"."""
     x = {n: None if t is None else t.to(KERNEL_DEVICE) for n, t in inputs.items()}
     config = None
     if schedule is not None:
@@ -45,7 +46,8 @@ def run_kernels(inputs, reverse=False, scale=0.25, schedule=None):
         config = kconfigs.default_config(B, T, H, K, x["v"].shape[-1], x["q"].dtype,
                                    x["g"] is not None and x["g"].dim() == 4, x["q"].device)
         config = dataclasses.replace(config, split=schedule == "split", local=schedule in ("local", "segments"),
-                                     segments=2 if schedule == "segments" else 1)
+                                     terms=schedule.startswith("terms"),
+                                     segments=2 if schedule.endswith("segments") else 1)
     gla_call = GLACall(x["q"], x["k"], x["v"], x["g"], x["g_gamma"], x["initial_state"], scale, True, reverse)
     o, ht = _kernels().forward(gla_call, config=config)
     return o.cpu(), ht.cpu()
@@ -97,8 +99,8 @@ def test_kernels_redo_only_the_poisoned_programs():
 # the other schedules, on the cases where they differ from the fused scan: values (the in-chunk A @ v),
 # gates (the chunk-local kernel's gate sums and anchors)
 def _schedule_cases():
-    for schedule in ("split", "local", "segments"):
-        for gate in ("vector", "scalar"):
+    for schedule in ("split", "local", "segments", "terms", "terms-segments"):
+        for gate in ("vector", "scalar") if not schedule.startswith("terms") else ("scalar",):
             for name, value in (("v", float("nan")), ("v", float("inf")), ("g", float("nan")), ("g", float("inf"))):
                 yield pytest.param(schedule, gate, name, value, id=f"{schedule}-{gate}-{name}-{value}")
 
@@ -116,10 +118,12 @@ def test_kernel_schedules_nonfinite_input_propagates_like_the_loop(schedule, gat
 
 @kernel_warnings
 @pytest.mark.parametrize("gate", ["vector", "scalar", "constant"])
-@pytest.mark.parametrize("schedule", [None, "split", "local"], ids=["default", "split", "local"])
+@pytest.mark.parametrize("schedule", [None, "split", "local", "terms"], ids=["default", "split", "local", "terms"])
 def test_kernels_forget_gate_of_minus_inf(gate, schedule):
     """A log gate of -inf (exp(g) = 0, a reset) is finite in the loop: the kernels floor log gates at
     -150 (log2 units), whose decays round to 0 in fp32 (gla_common's _gla_floor_gate)."""
+    if schedule == "terms" and gate == "vector":
+        pytest.skip("the carry computes chunk terms for scalar, constant and no gates only")
     inputs = gla_inputs(gate, T=100, **KERNEL_SIZES)
     if gate == "constant":
         inputs["g_gamma"][0] = float("-inf")

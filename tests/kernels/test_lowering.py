@@ -82,7 +82,9 @@ def test_forward_and_backward_run_the_templates(gate, reverse):
     (o, ht), code = run_and_get_code(fwd_bwd)
     fwd_code, bwd_code = code
     assert not EXTERN_CALL.search(fwd_code + bwd_code)
-    assert fwd_code.count(SCAN_KERNEL) == 1 and DQKG_KERNEL not in fwd_code
+    # the forward: the fused scan (vector gates below K = 64), or the carry computing its chunk terms
+    forward_kernel = SCAN_KERNEL if gate == "vector" else CARRY_KERNEL
+    assert fwd_code.count(forward_kernel) == 1 and DQKG_KERNEL not in fwd_code
     # the backward: the states scan and the dual scan, then dq/dk/dg
     assert bwd_code.count(SCAN_KERNEL) == 2 and bwd_code.count(DQKG_KERNEL) == 1
 
@@ -180,6 +182,40 @@ def test_carries_in_segments(gate, monkeypatch):
     assert bwd_code.count(CARRY_KERNEL) == 4  # the states carry and the dual one, each after its sums
     o64, ht64, grads = loop_reference_grads(x, 1.0, 1.0)
     assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
+    for name, want in grads.items():
+        assert rel_norm_err(x[name].grad, want) < 1e-4, name
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("gate", ["scalar", "constant", "none"])
+def test_carry_computing_its_terms(gate, segments, monkeypatch):
+    """The forward as one carry that computes its chunk terms from q, k and the gate (TERMS; forced
+    here): no chunk-local kernel, the carry alone (after its segments' sums); a pointwise consumer
+    fused into its store; o, the final state and the gradients (the fused scans' backward) exact."""
+    from gla_inductor.lowerings import chunk as lowering
+
+    def with_terms(*args):
+        return dataclasses.replace(kconfigs.default_config(*args), local=False, terms=True, segments=segments)
+
+    monkeypatch.setattr(lowering, "default_config", with_terms)
+    x = _inputs(1, 150, 2, 16, 24, gate, h0=True)  # 3 chunks: segments of 2 and 1
+
+    @torch.compile(fullgraph=True)
+    def fwd(x):
+        o, ht = gla_inductor.chunk_gla(**x, output_final_state=True)
+        return o * 2 + 1, ht
+
+    def fwd_bwd():
+        o, ht = fwd(x)
+        (o.double().sum() + ht.double().sum()).backward()
+        return o, ht
+
+    (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    assert not EXTERN_CALL.search(fwd_code + bwd_code)
+    assert fwd_code.count(LOCAL_KERNEL) == 0 and fwd_code.count(CARRY_KERNEL) == segments
+    assert fwd_code.count(SCAN_KERNEL) == 0
+    o64, ht64, grads = loop_reference_grads(x, 2.0, 1.0)
+    assert rel_norm_err(o, o64 * 2 + 1) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
     for name, want in grads.items():
         assert rel_norm_err(x[name].grad, want) < 1e-4, name
 
