@@ -1,9 +1,9 @@
 """Host launchers of the chunked GLA Triton kernels (forward and backward, every gate kind).
 
 Kernels (sources in ``templates/``, rendered by ``standalone.py``; the design and the byte
-and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``ChunkConfig.split``:
+and FLOP counts are in ``templates/README.md``). The schedules (``ChunkConfig``):
 
-  fused (default)
+  fused (vector gates below K = 64; the backward of scalar, constant and no gates up to K = 128)
     forward   1 launch  gla_chunk_scan: o and the final state. One program per (V tile, batch*head)
                         walks the chunks with its state in registers; nothing per chunk goes to HBM.
     backward  3 launches gla_chunk_scan (states): h, the state entering every chunk;
@@ -20,6 +20,9 @@ and FLOP counts are in ``templates/README.md``). Two schedules, chosen by ``Chun
     forward   2 launches (local, carry); backward 4 (local with the scores' transpose, states carry,
               dual carry, dqkg). A long sequence with few heads cuts each carry's walk into
               segments walked in parallel (``carry_segments``), one more launch per carry.
+  terms (``ChunkConfig.terms``, the default forward of scalar, constant and no gates up to K = 128):
+    forward   1 launch  gla_chunk_carry computing its chunk terms from q, k and the gate (TERMS),
+                        in segments (``segments``) 2; the backward is the fused one.
 
   segments (``ChunkConfig.scan_segments``, forward; ``bwd_scan_segments``, the backward's two
     scans; ``configs.scan_segments`` picks them for scalar, constant and no gates where the

@@ -318,11 +318,16 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     carry_warps = 4 if BK <= 128 or dtype != torch.float32 else 8
     if BK > 128 and dtype != torch.float32 and segments == 1 and carry_v == 64 and V > 64:
         carry_v, carry_warps = 128, 8
+    carry_stages = 1 if dtype == torch.float32 else 2  # `stages` below says why
     if terms:
         # value tiles of 64 with one warpgroup: 8 warps split the state's 64 rows of the dots between
         # two warpgroups and ran 2-3x slower; tiles of 128 with 8 warps read q and k once, but one
-        # program per SM lost (results/h200-2026-11-27-terms.md)
+        # program per SM lost. Walks in segments at K > 64 load three chunks ahead (115 KB of shared
+        # memory: one program per SM), 4-8% faster there; 17% slower with one walk, where two
+        # programs share an SM (results/h200-2026-11-27-terms.md)
         carry_v, carry_warps, segments = 64, 4, terms_p
+        if terms_p > 1 and BK > 64 and dtype != torch.float32:
+            carry_stages = 3
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
     # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
@@ -343,7 +348,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         states_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32,
         local=local,
         terms=terms,
-        carry=TileConfig(block_v=carry_v, num_warps=carry_warps, num_stages=stages),
+        carry=TileConfig(block_v=carry_v, num_warps=carry_warps, num_stages=carry_stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
         segments=segments,
         # the segments' sums do the states walk's work (one dot per chunk): value tiles of 64 make

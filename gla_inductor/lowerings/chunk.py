@@ -7,7 +7,8 @@ renders standalone (``kernels/standalone.py``); tiles and options come from ``ke
 compiled graph and an eager call run the same kernels with the same configuration, and the same
 schedule: the fused one (forward: one scan; backward: states scan, dual scan, dq/dk/dg) or
 the local one (forward: chunk-local terms, carry scan; backward: local terms, states and dual carry
-scans, dq/dk/dg); either may cut its scans' walks into segments (``ChunkConfig.segments``,
+scans, dq/dk/dg), or, for the forward of scalar, constant and no gates, the carry computing its
+chunk terms (``ChunkConfig.terms``); each may cut its walks into segments (``ChunkConfig.segments``,
 ``scan_segments``), each then two templates. The split schedule is eager-only. Packed sequences
 (cu_seqlens) take either schedule, as in eager calls.
 

@@ -386,6 +386,30 @@ def test_forward_scan_value_tiles_narrow_where_programs_leave_sms_idle(monkeypat
     assert scan_tile(2, 4096, 16, 32, 128, vector=True).block_v == 128  # vector gates keep theirs
 
 
+def test_terms_schedule_segments_and_tiles(monkeypatch, fresh_default_config):
+    """The forward of scalar, constant and no gates up to K = 128 is the carry computing its terms,
+    with the segments and tiles measured best on an H200 (132 SMs, bf16,
+    benchmarks/results/h200-2026-11-27-terms.md): value tiles of 64, 4 warps; P so that the programs
+    fill 2 per SM (K > 64) or 8 (K <= 64); three stages where the walk is in segments at K > 64."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=132))
+
+    def config(B, T, H, K, V, vector=False, dtype=torch.bfloat16):
+        return kconfigs.default_config(B, T, H, K, V, dtype, vector, torch.device("cuda"))
+
+    measured = {(8, 2048, 16, 128, 128): 1, (8, 1024, 8, 64, 64): 4, (2, 4096, 16, 128, 128): 4,
+                (1, 8192, 16, 128, 128): 8, (1, 8192, 96, 64, 64): 8, (4, 2048, 16, 128, 128): 2}
+    for shape, segments in measured.items():
+        cfg = config(*shape)
+        assert cfg.terms and not cfg.local and cfg.segments == segments, shape
+        stages = 3 if segments > 1 and shape[3] > 64 else 2
+        assert cfg.carry == kconfigs.TileConfig(block_v=64, num_warps=4, num_stages=stages), shape
+    assert config(1, 8192, 16, 128, 128, dtype=torch.float32).carry.num_stages == 1  # fp32 operands: one stage
+    assert not config(8, 2048, 16, 128, 128, vector=True).terms  # vector gates: the local schedule
+    assert not config(8, 2048, 4, 256, 256).terms and config(8, 2048, 4, 256, 256).local  # K = 256: local
+    assert config(1, 256, 1, 128, 128).segments == 1  # 4 chunks: no segment of fewer than 4
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the tiles' warps matter only compiled")
 def test_wide_carry_tiles_match_narrow_ones_on_gpu():
     """The carries with value tiles of 128 and 8 warps (K > 128) give the results of tiles of 64 with
