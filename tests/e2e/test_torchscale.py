@@ -24,8 +24,8 @@ step graph that reads a cached state (the first step starts from none). The stat
 The chunkwise form normalizes its intra-chunk scores and its carried state by the data (clamps and
 maxima), so its outputs are no GLA output; but the state it carries, S = S * gamma^C + K_i^T (V_i *
 gamma^(C-1-c)), is GLA's state at the chunk boundaries, read by that normalization. The chunk-states
-form (``gla_inductor/recognize/forms/chunk_states.py``) computes those states at once, a scan over the
-chunk axis, and leaves the normalization as torchscale wrote it: one rewrite per layer, logits and
+form (``gla_inductor/recognize/forms/chunk_states.py``) computes those states at once over the chunk
+axis, and leaves the normalization as torchscale wrote it: one rewrite per layer, logits and
 gradients as eager, the intra-chunk normalization reported as not GLA.
 
 Installation: torchscale 0.3.0 requires ``timm==0.6.13``, which requires torchvision; next to a

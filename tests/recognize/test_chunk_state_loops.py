@@ -1,13 +1,14 @@
 """Chunk loops whose carried state S = S * d + X_i (X_i the chunk's k^T v) is read through code that
-is not GLA (``gla_inductor/recognize/forms/chunk_states.py``): the states are computed at once, a scan
-over the chunk axis, and every read of them stays as written. Torchscale's chunkwise retention is the
+is not GLA (``gla_inductor/recognize/forms/chunk_states.py``): the states are computed at once over the
+chunk axis, and every read of them stays as written. Torchscale's chunkwise retention is the
 model case (``tests/e2e/test_torchscale.py``); here its class, varied: the state normalized by a
 clamped maximum of its column sums or by its largest entry, no normalization of the intra-chunk
 part, a decay per head, per key (a vector), per chunk from the data, none, other chunk sizes, an
 initial state. Each is rewritten once, equal to float64 eager in value and every gradient. Chunk
 loops that are GLA as a whole stay the chunked form's (one rewrite, not two). Look-alikes stay code
 with the reason: a delta rule's increment reads the state, a decay read from the state, decays of
-different shapes per chunk."""
+different shapes per chunk, a state carried by a matrix product. States read only linearly are the
+chunked form's to judge: not rewritten alone."""
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ def normalized_retention(q, k, v, C=4, norm=column_max, decay="head", h0=None):
     intra, qd, kd, cd = (x.to(q.dtype) for x in masks(gammas(), C))
     if decay == "vector":  # a decay per key feature: the chunk's keys decay by it too
         cd = cd * torch.linspace(0.5, 1.0, K, dtype=q.dtype)[:, None]
+    elif decay == "number":  # a Python number for every head
+        cd = 0.8
     elif decay == "none":
         intra = torch.ones(C, C, dtype=q.dtype).tril().expand(h, C, C)
         qd, kd, cd = torch.ones_like(qd), torch.ones_like(kd), None
@@ -91,6 +94,18 @@ def per_chunk_decay(q, k, v, x, C=4):
     return torch.cat(outs, 2), S
 
 
+def chunks_indexed_in_the_loop(q, k, v, C=4):
+    """The chunks indexed per iteration from [B, H, N, C, D] views, the state's read normalized."""
+    b, h, t, _ = q.shape
+    qc, kc, vc = (x.reshape(b, h, t // C, C, x.shape[-1]) for x in (q, k, v))
+    S = q.new_zeros(b, h, K, V)
+    outs = []
+    for i in range(t // C):
+        outs.append(qc[:, :, i] @ (S / column_max(S)))
+        S = S * 0.75 + kc[:, :, i].transpose(-1, -2) @ vc[:, :, i]
+    return torch.cat(outs, 2)
+
+
 def matches_of(fn, *args):
     return [(m.form, m.gate) for m in check_rewrite_exact(fn, args, tol=2e-5)]
 
@@ -104,16 +119,17 @@ def test_normalized_states_are_rewritten(norm):
     assert counters["gla_inductor"]["rewrites"] == 1
 
 
-@pytest.mark.parametrize("C,T", [(2, 12), (8, 32), (4, 28)])
+@pytest.mark.parametrize("C,T", [(2, 12), (8, 32), (4, 28), (2, 40)])
 def test_other_chunk_sizes(C, T):
-    """Chunk counts that are and are not powers of two (the scan's last window is partial)."""
+    """Chunk counts from 3 to 20: one block or several, the last one padded or whole."""
     q, k, v = inputs(T)
     assert matches_of(lambda q, k, v: normalized_retention(q, k, v, C=C), q, k, v) == [("chunk_states", "constant")]
 
 
-def test_vector_decay():
+@pytest.mark.parametrize("decay", ["vector", "number"])
+def test_decay_per_key_or_a_number(decay):
     q, k, v = inputs()
-    assert matches_of(lambda q, k, v: normalized_retention(q, k, v, decay="vector"), q, k, v) == \
+    assert matches_of(lambda q, k, v: normalized_retention(q, k, v, decay=decay), q, k, v) == \
         [("chunk_states", "constant")]
 
 
@@ -134,6 +150,10 @@ def test_decay_per_chunk_from_the_data():
     q, k, v = inputs(16)
     x = torch.randn(B, H, 4, generator=torch.Generator().manual_seed(4))
     assert matches_of(per_chunk_decay, q, k, v, x) == [("chunk_states", "per-chunk")]
+
+
+def test_chunks_indexed_in_the_loop():
+    assert matches_of(chunks_indexed_in_the_loop, *inputs()) == [("chunk_states", "constant")]
 
 
 def gla_chunk_loop(q, k, v, C=4):

@@ -5,23 +5,24 @@ retention divides each state by a clamped maximum of its absolute column sums an
 intra-chunk scores with it by ``torch.maximum``).
 
 The outputs are no GLA output then, but the states are GLA's states at the chunk boundaries,
-whatever reads them: the state recurrence is linear, and its n links are one scan over the
-chunk axis. The rewrite computes the states entering every chunk at once and leaves every read
-of them as the user wrote it:
+whatever reads them: the state recurrence is linear, and its n links are one computation over
+the chunk axis. The rewrite computes the states entering every chunk at once and leaves every
+read of them as the user wrote it. With Y = stack(S_0, X_0, ..., X_(n-1)) and one decay d for
+every chunk, S_m = sum_(j <= m) d ** (m - j) Y_j: batched matmuls with matrices of powers of d,
+within blocks of about sqrt(n) chunks and then over the blocks (``_decay_matrix``); with a decay
+per chunk, a Hillis-Steele scan (log2(n) shifted multiply-adds); without a decay, a cumsum. Only
+running products of the decays (no division by them, no log), every op differentiable. What the
+states look like is checked by structure (the links, the increments computed before and apart
+from the states), the rewrite itself by a float64 trial against the user's links
+(``certify/trial.py``), as the other rewrites that keep user code around them.
 
-    Y = stack(S_0, X_0, ..., X_(n-1))           [n + 1, *state]
-    A_m += C_m * A_(m-s)  for s = 1, 2, 4, ...   (Hillis-Steele over the chunk axis)
-    S_m = A_m
-
-with C the decay over the window (d ** s for one decay every chunk, else the running products
-of the chunks' own decays); without a decay, a cumsum. log2(n) batched passes instead of n
-dependent ones, only nonnegative powers of the decay (no division by it), and every op
-differentiable. What the states look like is checked by structure (the links, the increments
-computed before and apart from the states), the rewrite itself by a float64 trial against the
-user's links (``certify/trial.py``), as the other rewrites that keep user code around them.
+Only loops whose states are read through code that is not linear in them (abs, clamps, maxima,
+a division by a value computed from the state) are candidates: where every read is linear, the
+loop is GLA as a whole or not at all, and the chunked form decides (with its reasons).
 
 Near misses: an increment computed from the states (``k^T (v - k S)``, a delta rule), a decay
-computed from the state, decays of different shapes per chunk, in-place writes. Chains whose
+computed from the state, decays of different shapes per chunk, a state carried by another op of
+it (``A @ S``), in-place writes. Chains whose
 increments are not sums of products over a chunk's positions (a time loop's k_t^T v_t, any
 other linear recurrence) are not candidates here: the time-loop form reads those.
 """
@@ -29,6 +30,7 @@ other linear recurrence) are not candidates here: the time-loop form reads those
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -208,7 +210,9 @@ def _carried_otherwise(an: Analyzer, readings: dict) -> list:
 def _sums_products(an: Analyzer, x: fx.Node, after: set) -> bool:
     """x is (a term of) sum_c k[c, K] v[c, V] over positions c of a chunk (more than one): two
     inputs computed before the states, contracted over an axis, one holding the state's K axis
-    and the other its V axis."""
+    and the other its V axis; the axis a chunk's positions (``_positions``), or every axis of x
+    one of the factors' (a sum over the heads broadcast back over them is one update shared by
+    the heads, no chunk's)."""
     av = an.value(x)
     if av is None or len(av.out) < 2:
         return False
@@ -216,15 +220,17 @@ def _sums_products(an: Analyzer, x: fx.Node, after: set) -> bool:
         src = x.args[0]  # a chunk cut from all chunks' products (kv[:, i]): read the products
         return _shape(src) is not None and _shape(src)[-2:] == _shape(x)[-2:] and _sums_products(an, src, after)
     ka, va = set(comps(av.out[-2])), set(comps(av.out[-1]))
-    summed_all = out_vars(av.out)
+    out = out_vars(av.out)
     for term in av.terms:
-        summed = mono_vars(term) - summed_all
+        summed = mono_vars(term) - out
+        whole = out <= mono_vars(term)  # (no axis broadcast after the sum: one update per head)
         atoms = [f for f in term[1] if f.kind == "atom" and f.atom.node not in after]
         for a, b in itertools.permutations(atoms, 2):
             shared = factor_vars(a) & factor_vars(b) & summed
             if (ka and va and ka <= factor_vars(a) and va <= factor_vars(b)
                     and any(isinstance(an.sizes.get(v), int) and an.sizes[v] > 1
-                            and (_positions(a, v, summed_all) or _positions(b, v, summed_all)) for v in shared)):
+                            and (whole or _positions(a, v, out) or _positions(b, v, out))
+                            for v in shared)):
                 return True
     return False
 
@@ -419,10 +425,64 @@ def _scan(em: Emitter, s0: fx.Node, incs: list, decays: list, uniform: bool, ran
     if decays[0] is None:
         acc = em.call(torch.cumsum, y, 0)
     elif uniform:
-        acc = _scan_uniform(em, y, decays[0], length)
+        acc = _decay_matrix(em, y, decays[0], length, rank)
     else:
         acc = _scan_per_chunk(em, y, decays, length, rank)
     return [em.call(torch.select, acc, 0, m) for m in range(1, length)]
+
+
+def _decay_matrix(em: Emitter, y: fx.Node, decay, length: int, rank: int) -> fx.Node:
+    """One decay d for every chunk: S_m = sum_(j <= m) d ** (m - j) Y_j, as batched matmuls with
+    matrices of powers of d (one per entry of d: per head, per key) in two levels: within blocks of
+    about sqrt(L) chunks, then over the blocks' sums (decay d ** block), each block's entering state
+    added decayed. About L * sqrt(L) products per state entry, no sequential steps; the powers are
+    running products (no division by d, no log: any sign, zeros included)."""
+    shape = tuple(example_value(y).shape[1:])
+    if not isinstance(decay, fx.Node):
+        decay = em.call("new_full", y, (1,), float(decay), op="call_method")
+    dshape = (1,) * (rank - example_value(decay).dim()) + tuple(example_value(decay).shape)
+    vary = [i for i in range(rank) if dshape[i] != 1]
+    rest = [i for i in range(rank) if dshape[i] == 1]
+    groups, free = math.prod(shape[i] for i in vary), math.prod(shape[i] for i in rest)
+    block = math.isqrt(length - 1) + 1
+    blocks = -(-length // block)
+    perm = [1 + i for i in vary] + [0] + [1 + i for i in rest]
+    ys = em.call(torch.reshape, em.call(torch.permute, y, perm), (groups, length, free))
+    if blocks * block > length:
+        pad = em.call("new_zeros", ys, (groups, blocks * block - length, free), op="call_method")
+        ys = em.call(torch.cat, [ys, pad], 1)
+    ys = em.call(torch.reshape, ys, (groups, blocks, block, free))
+    powers = _powers(em, em.call(torch.reshape, decay, (1, groups)), block + 1)  # [block + 1, G]
+    inner = em.call(torch.matmul, em.call(torch.unsqueeze, _power_matrix(em, powers, block), 1), ys)
+    if blocks > 1:
+        sums = em.call(torch.select, inner, 2, block - 1)  # [G, blocks, F]: each block alone
+        over = _power_matrix(em, _powers(em, em.call(torch.narrow, powers, 0, block, 1), blocks), blocks)
+        ends = em.call(torch.matmul, over, sums)  # the state after each block
+        zero = em.call("new_zeros", ends, (groups, 1, free), op="call_method")
+        entering = em.call(torch.cat, [zero, em.call(torch.narrow, ends, 1, 0, blocks - 1)], 1)
+        into = em.call(torch.reshape, em.call(torch.t, em.call(torch.narrow, powers, 0, 1, block)),
+                       (groups, 1, block, 1))  # d ** (r + 1) from the block's start to its position r
+        inner = em.call(operator.add, inner, em.call(operator.mul, into, em.call(torch.unsqueeze, entering, 2)))
+    out = em.call(torch.narrow, em.call(torch.reshape, inner, (groups, blocks * block, free)), 1, 0, length)
+    out = em.call(torch.reshape, out, tuple(shape[i] for i in vary) + (length,) + tuple(shape[i] for i in rest))
+    return em.call(torch.permute, out, [perm.index(a) for a in range(rank + 1)])
+
+
+def _powers(em: Emitter, flat: fx.Node, count: int) -> fx.Node:
+    """[count, G]: row e is flat ** e (flat [1, G]), by running products."""
+    if count == 1:
+        return em.call(torch.ones_like, flat)
+    run = em.call(torch.cumprod, em.call(torch.Tensor.expand, flat, count - 1, -1), 0)
+    return em.call(torch.cat, [em.call(torch.ones_like, flat), run], 0)
+
+
+def _power_matrix(em: Emitter, powers: fx.Node, size: int) -> fx.Node:
+    """[G, size, size]: entry (m, j) is powers[m - j] for j <= m, else 0."""
+    pos = em.call(torch.arange, size, device=example_value(powers).device)
+    dist = em.call(operator.sub, em.call(torch.unsqueeze, pos, 1), em.call(torch.unsqueeze, pos, 0))
+    w = em.call(operator.getitem, powers, em.call(torch.clamp, dist, 0))  # [size, size, G]
+    w = em.call(torch.where, em.call(torch.unsqueeze, em.call(operator.ge, dist, 0), -1), w, 0.0)
+    return em.call(torch.permute, w, (2, 0, 1))
 
 
 def _shifted_add(em: Emitter, acc: fx.Node, coef, s: int, length: int) -> fx.Node:
@@ -432,17 +492,6 @@ def _shifted_add(em: Emitter, acc: fx.Node, coef, s: int, length: int) -> fx.Nod
     prev = em.call(torch.narrow, acc, 0, 0, length - s)
     tail = em.call(operator.add, tail, em.call(operator.mul, coef, prev))
     return em.call(torch.cat, [head, tail], 0)
-
-
-def _scan_uniform(em: Emitter, y: fx.Node, decay, length: int) -> fx.Node:
-    """One decay d for every chunk: the window of s chunks decays by d ** s."""
-    acc, power, s = y, decay, 1
-    while s < length:
-        acc = _shifted_add(em, acc, power, s, length)
-        s *= 2
-        if s < length:
-            power = power * power if not isinstance(power, fx.Node) else em.call(operator.mul, power, power)
-    return acc
 
 
 def _scan_per_chunk(em: Emitter, y: fx.Node, decays: list, length: int, rank: int) -> fx.Node:
