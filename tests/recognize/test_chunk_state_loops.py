@@ -102,7 +102,7 @@ def chunks_indexed_in_the_loop(q, k, v, C=4):
     outs = []
     for i in range(t // C):
         outs.append(qc[:, :, i] @ (S / column_max(S)))
-        S = S * 0.75 + kc[:, :, i].transpose(-1, -2) @ vc[:, :, i]
+        S = S.float() * 0.75 + kc[:, :, i].transpose(-1, -2) @ vc[:, :, i]  # (a cast that keeps S)
     return torch.cat(outs, 2)
 
 

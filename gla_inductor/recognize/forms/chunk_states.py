@@ -108,10 +108,23 @@ def _readings(n: fx.Node) -> list:
         if _shape(x) != shape or _shape(c) != shape:
             continue
         if op_name(c) == "mul" and len(c.args) == 2 and not c.kwargs:
-            found += [Link(n, p, d, x, c) for p, d in (c.args, c.args[::-1])
+            found += [Link(n, _uncast(p), d, x, c) for p, d in (c.args, c.args[::-1])
                       if isinstance(p, fx.Node) and _shape(p) == shape]
-        found.append(Link(n, c, None, x, None))
+        found.append(Link(n, _uncast(c), None, x, None))
     return found
+
+
+def _uncast(x: fx.Node) -> fx.Node:
+    """x through casts and copies that keep its value (``S.float()`` of a float32 S, ``clone``)."""
+    while op_name(x) == "identity" and x.args and isinstance(x.args[0], fx.Node) and _same_value(x, x.args[0]):
+        x = x.args[0]
+    return x
+
+
+def _same_value(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = example_value(a), example_value(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype and va.device == vb.device)
 
 
 def _chains(readings: dict) -> list:
