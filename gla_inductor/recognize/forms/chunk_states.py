@@ -173,7 +173,7 @@ def _descendants(start: fx.Node) -> set:
 _NONLINEAR = {"abs", "clamp", "clamp_min", "clamp_max", "max", "amax", "min", "amin", "maximum", "minimum", "norm",
               "sqrt", "rsqrt", "exp", "log", "tanh", "sigmoid", "softmax", "relu", "reciprocal", "square", "pow",
               "sign", "where", "gelu", "silu", "softplus"}
-READ_DEPTH = 4  # ops from a state to the normalization that reads it
+READ_DEPTH = 3  # ops from a state to the normalization that reads it (a detach or a view between)
 
 
 def _read_nonlinearly(state: fx.Node, after: set) -> bool:
