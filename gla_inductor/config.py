@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 # Forms the recognizer looks for; drop one to disable its recognition.
-forms: tuple = ("chunked", "loop", "decode", "parallel", "packed")
+forms: tuple = ("chunked", "loop", "decode", "parallel", "chunk_states", "packed")
 
 # Rewrite graphs at all (False: the backend is plain Inductor).
 enabled: bool = True

@@ -41,7 +41,7 @@ from .core.analyzer import Analyzer
 from .core.clean import dead_code_elimination
 from .core.emit import Transaction
 from .core.match import Match, NearMiss
-from .forms import chunked, decode, loop, parallel
+from .forms import chunk_states, chunked, decode, loop, parallel
 from .forms.packed_spans import merge_spans
 
 log = logging.getLogger("gla_inductor")
@@ -53,6 +53,7 @@ RECOGNIZERS = {
     "loop": loop.recognize,
     "decode": decode.recognize,
     "parallel": parallel.recognize,
+    "chunk_states": chunk_states.recognize,  # last: only the states of loops no form above reads as GLA
 }
 
 
@@ -63,7 +64,7 @@ class RewriteResult:
     seconds: float = 0.0
 
 
-def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel", "packed"),
+def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel", "chunk_states", "packed"),
                   unprofitable_reason: Optional[Callable[[Match], Optional[str]]] = None) -> RewriteResult:
     """Replace every proven GLA instance in `gm` by the GLA op. A match whose replacement
     fails is undone and reported as a near miss; an internal error undoes everything and

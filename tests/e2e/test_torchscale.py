@@ -21,8 +21,12 @@ scaled by 1 / sqrt(s) (per head), which the decode recognizer rewrites: once per
 step graph that reads a cached state (the first step starts from none). The state is kept V-first
 ([B, H, V, K]); the op reads it through a transposed view.
 
-The chunkwise form depends on the data through clamps and maxima of its carried state: left alone
-and equal to eager, with its reason in the report.
+The chunkwise form normalizes its intra-chunk scores and its carried state by the data (clamps and
+maxima), so its outputs are no GLA output; but the state it carries, S = S * gamma^C + K_i^T (V_i *
+gamma^(C-1-c)), is GLA's state at the chunk boundaries, read by that normalization. The chunk-states
+form (``gla_inductor/recognize/forms/chunk_states.py``) computes those states at once over the chunk
+axis, and leaves the normalization as torchscale wrote it: one rewrite per layer, logits and
+gradients as eager, the intra-chunk normalization reported as not GLA.
 
 Installation: torchscale 0.3.0 requires ``timm==0.6.13``, which requires torchvision; next to a
 CPU build of torch (CI, the README's install on a CPU machine) pip resolves PyPI's torchvision
@@ -240,14 +244,27 @@ def test_parallel_retention_normalized_by_absolute_row_sums_is_left_alone(torchs
 
 
 # ---- chunkwise ------------------------------------------------------------------------------------
-def test_chunkwise_retention_is_left_alone_and_exact(torchscale):
-    check_prefill(retnet(torchscale, chunkwise=True), [])
-
-
-def test_chunkwise_retention_reports_the_normalization(torchscale):
+def test_chunkwise_retention_states_are_rewritten_and_exact(torchscale):
+    """One rewrite per layer (the chunk loop's carried states), logits and every parameter's
+    gradient as eager."""
     results = []
-    check_prefill(retnet(torchscale, chunkwise=True), results)
-    reasons = near_misses(results, "chunked")
+    check_prefill(retnet(torchscale, chunkwise=True), results, rewrites=LAYERS)
+    matches = [m for r in results for m in r.matches]
+    assert [(m.form, m.gate) for m in matches] == [("chunk_states", "constant")] * LAYERS
+    assert all(m.options["chunks"] == T // CHUNK for m in matches)
+    assert not near_misses(results, "chunk_states")
+
+
+def test_chunkwise_retention_explain_reports_the_rewrite(torchscale):
+    """explain: the states' rewrite at torchscale's line, and the intra-chunk scores' normalization
+    left as code with its reason."""
+    import gla_inductor
+
+    model = retnet(torchscale, chunkwise=True)
+    report = gla_inductor.explain(model, torch.randint(0, 64, (B, T)))
+    assert [m.form for m in report.matches] == ["chunk_states"] * LAYERS
+    assert all(any("kv_state * cross_decay" in line for line in m.source) for m in report.matches)
+    reasons = [n.reason for n in report.near_misses if n.form == "chunked"]
     assert reasons and all("normaliz" in r for r in reasons), reasons
 
 
