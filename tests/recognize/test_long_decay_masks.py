@@ -1,6 +1,7 @@
 """Parallel retention at long sequences: a decay mask built from positions and a per-head decay
 buffer (torchscale's masked_fill(inf) + exp + nan_to_num, or gamma ** (i - j)) is proven along its
-diagonals (recognize/forms/toeplitz_decay.py), O(H T) instead of an [H, T, T] float64 mask, so it
+diagonals (recognize/forms/toeplitz_decay.py), O(H T) instead of an [H, T, T] float64 mask (also
+divided by the root of its row sums, torchscale's row factor: recognize/forms/row_factor.py), so it
 is rewritten at T = 4096 and 8192 in bounded time (its whole evaluation used to take seconds at
 T = 2048 and was refused past the evaluator's size limit at T = 4096).
 
@@ -31,10 +32,10 @@ class Retention(nn.Module):
     """q k^T times a decay mask from positions and a buffer of log decays, then @ v. `twist`
     changes the distances before the mask is built (a look-alike)."""
 
-    def __init__(self, H, spelling="torchscale", twist=None, base=5):
+    def __init__(self, H, spelling="torchscale", twist=None, base=5, rows=False):
         super().__init__()
         self.register_buffer("decay", torch.log(1 - 2.0 ** (-base - torch.arange(H, dtype=torch.float))))
-        self.spelling, self.twist = spelling, twist
+        self.spelling, self.twist, self.rows = spelling, twist, rows
 
     def forward(self, q, k, v):
         T = q.shape[2]
@@ -47,6 +48,8 @@ class Retention(nn.Module):
             mask = torch.nan_to_num(torch.exp(dist * self.decay[:, None, None]))
         else:  # gamma ** (i - j), the future zeroed by tril
             mask = (self.decay.exp()[:, None, None] ** dist.clamp(min=0)).tril()
+        if self.rows:  # torchscale's: each row divided by the root of its sum (folded into q)
+            mask = torch.nan_to_num(mask / mask.sum(dim=-1, keepdim=True).sqrt())
         return (q @ k.transpose(-1, -2) * mask) @ v
 
 
@@ -88,10 +91,10 @@ def _no_whole_mask(monkeypatch):
     monkeypatch.setattr(static_decay, "_evaluate", whole)
 
 
-@pytest.mark.parametrize("spelling", ["torchscale", "power"])
-def test_rewritten_at_4096_equal_to_eager(spelling, monkeypatch):
+@pytest.mark.parametrize("spelling,rows", [("torchscale", False), ("power", False), ("torchscale", True)])
+def test_rewritten_at_4096_equal_to_eager(spelling, rows, monkeypatch):
     _no_whole_mask(monkeypatch)
-    model = Retention(2, spelling, base=8)
+    model = Retention(2, spelling, base=8, rows=rows)
     args = _inputs(1, 2, 4096)
     got, _, seconds = _compile(model, args)
     assert counters["gla_inductor"]["rewrites"] == 1
@@ -101,11 +104,12 @@ def test_rewritten_at_4096_equal_to_eager(spelling, monkeypatch):
     assert seconds < BOUND_S
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["mask", "row_normalized_mask"])
 @pytest.mark.parametrize("B,H,T", [(8, 8, 4096), (8, 8, 8192)])
-def test_recognized_at_model_sizes_in_bounded_time(B, H, T, monkeypatch):
+def test_recognized_at_model_sizes_in_bounded_time(B, H, T, rows, monkeypatch):
     """(B, H, T) = (8, 8, 8192): the whole mask would be 4 GiB in float64."""
     _no_whole_mask(monkeypatch)
-    _, results, seconds = _compile(Retention(H), _inputs(B, H, T), run=False)
+    _, results, seconds = _compile(Retention(H, rows=rows), _inputs(B, H, T), run=False)
     assert [m.form for r in results for m in r.matches] == ["parallel"]
     assert seconds < BOUND_S, seconds
 
@@ -122,11 +126,14 @@ def one_entry_off(dist, index):
     return dist + 50 * (index[:, None] == 4000).float() * (index[None, :] == 10).float()  # not Toeplitz
 
 
-@pytest.mark.parametrize("twist", [one_distance_off, far_distances_off, one_entry_off], ids=lambda f: f.__name__)
-def test_far_look_alikes_are_not_rewritten(twist):
+@pytest.mark.parametrize("twist,rows", [(one_distance_off, False), (far_distances_off, False), (one_entry_off, False),
+                                        (one_distance_off, True), (far_distances_off, True)],
+                         ids=["one_distance_off", "far_distances_off", "one_entry_off", "one_distance_off_rows",
+                              "far_distances_off_rows"])
+def test_far_look_alikes_are_not_rewritten(twist, rows):
     """Wrong only far from the diagonal (gamma ** 3000 ~ 0.5 at this base: well above the check's
     tolerance): left alone with a reason, and the output is the user's."""
-    model = Retention(2, twist=twist, base=12)
+    model = Retention(2, twist=twist, base=12, rows=rows)
     args = _inputs(1, 2, 4096, seed=1)
     got, results, seconds = _compile(model, args)
     assert counters["gla_inductor"]["rewrites"] == 0
@@ -158,6 +165,8 @@ MASKS = {
     "strict_shift": lambda i, lg: (i[:, None] > i[None, :] - 1).float() * torch.exp(
         (i[:, None] - i[None, :]).clamp(min=0) * lg[:, None, None]),
     "clamped_far": lambda i, lg: torch.exp((i[:, None] - i[None, :]).clamp(0, 5) * lg[:, None, None]).tril(),
+    "row_normalized": lambda i, lg: (lambda m: torch.nan_to_num(m / m.sum(dim=-1, keepdim=True).sqrt()))(
+        torch.exp((i[:, None] - i[None, :]) * lg[:, None, None]).tril()),
     "not_toeplitz": lambda i, lg: torch.exp((i[:, None] - i[None, :]) * lg[:, None, None]).tril() *
         (1 + (i[:, None] * i[None, :] == 6)),
 }
@@ -174,14 +183,17 @@ def test_diagonals_equal_the_whole_mask(name, monkeypatch):
     real = static_decay.checked_decay
 
     def both(an, factors, axes, state=None):
-        v = toeplitz_decay.evaluate(an, factors, axes, state)
+        got = toeplitz_decay.evaluate(an, factors, axes, state, rows=True)
         D = static_decay._evaluate(an, factors, axes, state)
-        if v is not None:
+        if got is not None:
+            v, r = got
             T = D.shape[-1]
             diag = torch.arange(T)[:, None] - torch.arange(T)[None, :] + T - 1
-            # (to an ulp: pow's vectorized and scalar loops may round the last bit apart)
-            torch.testing.assert_close(v[..., diag], D, rtol=1e-14, atol=0, equal_nan=True)
-        seen.append(v is not None)
+            whole = v[..., diag] * (r[..., :, None] if r is not None else 1)
+            # (to an ulp: pow's vectorized and scalar loops may round the last bit apart; the row
+            # sums are added in another order)
+            torch.testing.assert_close(whole, D, rtol=1e-12, atol=0, equal_nan=True)
+        seen.append(got is not None)
         return real(an, factors, axes, state)
 
     monkeypatch.setattr(static_decay, "checked_decay", both)

@@ -100,12 +100,16 @@ def checked_decay(an: Analyzer, factors: list, axes: list, state: Optional[dict]
     decay (Reject saying which fact failed otherwise); None where it cannot be evaluated. Along its
     diagonals where every [T, T] tensor of it is proven Toeplitz (``toeplitz_decay.py``: O(H T),
     every entry still covered), else whole."""
-    v = toeplitz_decay.evaluate(an, factors, axes, state)
-    if v is not None:
+    diagonals = toeplitz_decay.evaluate(an, factors, axes, state, rows=True)
+    if diagonals is not None:
+        v, r = diagonals
         T = (v.shape[-1] + 1) // 2
-        v = v.reshape(-1, v.shape[-1])
-        reverse = toeplitz_decay.check(v, T)
-        return reverse, toeplitz_decay.gammas(v, T, reverse)
+        if r is None:
+            v = v.reshape(-1, v.shape[-1])
+            reverse = toeplitz_decay.check(v, T)
+            return reverse, toeplitz_decay.gammas(v, T, reverse)
+        # (scaled per row: rejected here, saying so, unless its diagonal is 1 after all)
+        toeplitz_decay.check_scaled(v.reshape(-1, v.shape[-1]), r.expand(v.shape[:-1] + (T,)).reshape(-1, T), T)
     D = _evaluate(an, factors, axes, state)
     if D is None:
         return None

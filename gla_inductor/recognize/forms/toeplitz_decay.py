@@ -20,7 +20,11 @@ proven, op by op:
 * elementwise ops (exp, pow, masked_fill, where, nan_to_num, comparisons, casts, ...) of Toeplitz
   tensors and of tensors constant along both position axes (a per-head [H, 1, 1] buffer) give a
   Toeplitz tensor: the same op applied to the diagonals gives the same values; tril and triu keep
-  or zero whole diagonals.
+  or zero whole diagonals;
+* a row sum of a Toeplitz tensor is a window of its diagonals' running sum, and the tensor divided
+  (or multiplied) by one value per row is kept as c[i] * v[i - j] (torchscale divides its mask by
+  the root of its row sums: ``row_factor.py`` folds c into q), read further only by nan_to_num
+  where every entry is finite (it then changes none).
 
 Anything else (a row sum, a slice, an in-place write, a product x_i * y_j, a buffer holding a
 whole mask) is not read here and the caller evaluates the decay whole, as before (with its size
@@ -48,11 +52,12 @@ _EXACT = 2.0 ** 24  # positions exact in float32 (and so in any dtype the code c
 
 
 class Toep:
-    """A tensor of `shape` (lead + (T, T)) whose entry [..., a, b] is v[..., a - b + T - 1]; v's
-    leading axes broadcast to lead."""
+    """A tensor of `shape` (lead + (T, T)) whose entry [..., a, b] is v[..., a - b + T - 1], times
+    r[..., a] where a row factor r is given (a mask divided by its row sums); v's and r's leading
+    axes broadcast to lead."""
 
-    def __init__(self, v: torch.Tensor, shape: tuple):
-        self.v, self.shape = v, tuple(shape)
+    def __init__(self, v: torch.Tensor, shape: tuple, r: Optional[torch.Tensor] = None):
+        self.v, self.shape, self.r = v, tuple(shape), r
 
 
 class _NotToeplitz(Exception):
@@ -82,22 +87,40 @@ _FILLS = {torch.ones: 1, torch.zeros: 0, torch.full: None}
 
 
 # ---- the decay --------------------------------------------------------------------------------
-def evaluate(an: Analyzer, factors: list, axes: list, state: Optional[dict] = None) -> Optional[torch.Tensor]:
+def evaluate(an: Analyzer, factors: list, axes: list, state: Optional[dict] = None, rows: bool = False):
     """The product of the decay factors over `axes` (the heads, then i and j) as its diagonals,
     float64 [*heads, 2T - 1] with D[.., i, j] at i - j + T - 1; None where some factor is not
-    proven Toeplitz (or T < 2)."""
+    proven Toeplitz (or T < 2). With `rows`, (diagonals, row factor [*heads, T] or None): D[.., i, j]
+    is then the row factor at i times the diagonal's entry."""
     *heads, i, j = axes
     T = int(size_hint(an.sizes[i]))
     if T < 2 or int(size_hint(an.sizes[j])) != T:
         return None
     ev = _Evaluator(an, state, T)
     total = torch.ones([int(size_hint(an.sizes[h])) for h in heads] + [2 * T - 1], dtype=torch.float64)
+    row = None
     try:
         for f in factors:
-            total = total * ev.factor(f, heads, i, j)
+            v, r = ev.factor(f, heads, i, j)
+            total = total * v
+            row = r if row is None else row if r is None else row * r
     except _NotToeplitz:
         return None
-    return total
+    if rows:
+        return total, row
+    return total if row is None else None
+
+
+def factor_diagonal(an: Analyzer, f: Factor, axes: list, state: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """One decay factor's diagonal D_f[.., i, i] over (*heads, i), None where not proven Toeplitz."""
+    *heads, i, j = axes
+    T = int(size_hint(an.sizes[i]))
+    try:
+        v, r = _Evaluator(an, state, T).factor(f, heads, i, j)
+    except _NotToeplitz:
+        return None
+    diag = v[..., T - 1:T] if v.shape[-1] > 1 else v
+    return diag * r if r is not None else diag.expand(diag.shape[:-1] + (T,))
 
 
 def first(bad: torch.Tensor, T: int) -> tuple:
@@ -151,6 +174,30 @@ def _num(x) -> str:
     return f"{float(x):.4g}"
 
 
+def check_scaled(v: torch.Tensor, r: torch.Tensor, T: int) -> None:
+    """static_decay._check's verdict on D[h, i, j] = r[h, i] * v[h, i - j] (a mask divided by its row
+    sums): Reject where its diagonal r v_0 is not 1, saying what D is; returns where it is 1 on
+    every row (the caller then evaluates D whole)."""
+    diag = r * v[:, T - 1:T]
+    bad = (diag - 1).abs() > RTOL
+    if not bad.any():
+        return
+    h = int(bad.any(-1).nonzero()[0])
+    n = int(bad[h].nonzero()[0])
+    found = f"decay D[i, i] is {_num(diag[h, n])} (at i={n}), expected 1"
+    row = v / v[:, T - 1:T]  # D / D[i, i] on each row
+    try:
+        if not torch.isfinite(row).all():
+            raise Reject(found)
+        check(row, T)
+    except Reject:
+        raise Reject(found) from None
+    if torch.allclose(diag, diag[:, :1].expand_as(diag), rtol=RTOL, atol=ATOL):
+        raise Reject(f"{found}: the decay is c * gamma ** (i - j) with c = {_num(diag[h, 0])} (a shifted "
+                     "decay, or one scaled per head), not GLA")
+    raise Reject(f"{found}: the decay is scaled per query (a row normalization), not GLA")
+
+
 def gammas(v: torch.Tensor, T: int, reverse: bool) -> torch.Tensor:
     """D[h, 1, 0] (D[h, 0, 1] reversed) from the diagonals."""
     return v[:, T - 2] if reverse else v[:, T]
@@ -179,21 +226,26 @@ class _Evaluator:
     def __init__(self, an: Analyzer, state: Optional[dict], T: int):
         self.an, self.state, self.T, self.memo = an, state or {}, T, {}
 
-    def factor(self, f: Factor, heads: list, i: int, j: int) -> torch.Tensor:
-        """A decay factor over (*heads, i - j)."""
+    def factor(self, f: Factor, heads: list, i: int, j: int) -> tuple:
+        """A decay factor over (*heads, i - j), and its row factor over (*heads, i) or None."""
         if f.kind == "exp":
             exponent = torch.zeros((), dtype=torch.float64)
             for c, gs in f.inner:
                 term = torch.full((), c, dtype=torch.float64)
                 for g in gs:
-                    term = term * self.factor(g, heads, i, j)
+                    v, r = self.factor(g, heads, i, j)
+                    if r is not None:
+                        raise _NotToeplitz  # (exp of a row-scaled mask: not a row factor any more)
+                    term = term * v
                 exponent = exponent + term
-            return exponent.exp()
+            return exponent.exp(), None
         if f.kind == "tri":
-            return self._tri(f, heads, i, j)
+            return self._tri(f, heads, i, j), None
         if f.kind == "const":
             val = self.node(f.node)
             if f.negate:
+                if isinstance(val, Toep) and val.r is not None:
+                    raise _NotToeplitz
                 val = Toep(torch.logical_not(val.v), val.shape) if isinstance(val, Toep) else torch.logical_not(val)
         elif f.kind == "atom":
             if f.atom.fixed:
@@ -214,31 +266,27 @@ class _Evaluator:
         keep = (off <= f.diagonal) if f.lower else (off >= f.diagonal)
         return keep.double().reshape([1] * len(heads) + [-1])
 
-    def _over(self, val, idx: tuple, heads: list, i: int, j: int) -> torch.Tensor:
-        """A node's value, its axes the variables `idx`, over (*heads, i - j)."""
+    def _over(self, val, idx: tuple, heads: list, i: int, j: int) -> tuple:
+        """A node's value, its axes the variables `idx`, over (*heads, i - j), and its row factor
+        over (*heads, i) (None: none)."""
+        r = None
         if isinstance(val, Toep):
             if len(idx) != len(val.shape) or tuple(idx[-2:]) not in ((i, j), (j, i)):
                 raise _NotToeplitz
+            if val.r is not None and tuple(idx[-2:]) != (i, j):
+                raise _NotToeplitz  # (a factor of the key's column)
             v = val.v.double().expand(val.shape[:-2] + (2 * self.T - 1,))
             v = v if tuple(idx[-2:]) == (i, j) else v.flip(-1)
             lead = idx[:-2]
+            if val.r is not None:
+                r = _by_heads(val.r.double().expand(val.shape[:-1]), lead, heads)
         elif isinstance(val, torch.Tensor):
             if len(idx) != val.dim() or any(x in (i, j) for x in idx):
                 raise _NotToeplitz  # (a factor of rows or columns alone: not Toeplitz)
             v, lead = val.double().unsqueeze(-1), idx
         else:
             raise _NotToeplitz
-        if any(x is not None and x not in heads for x in lead) or len({x for x in lead if x is not None}) < \
-                len([x for x in lead if x is not None]):
-            raise _NotToeplitz
-        keep = [p for p, x in enumerate(lead) if x is not None]
-        v = v.reshape([v.shape[p] for p in keep] + [v.shape[-1]])
-        present = [lead[p] for p in keep]
-        v = v.permute([present.index(h) for h in heads if h in present] + [len(present)])
-        for p, h in enumerate(heads):
-            if h not in present:
-                v = v.unsqueeze(p)
-        return v
+        return _by_heads(v, lead, heads), r
 
     def node(self, n: fx.Node):
         if n not in self.memo:
@@ -296,6 +344,20 @@ def _hint(s) -> int:
     return int(size_hint(s))
 
 
+def _by_heads(v: torch.Tensor, lead: tuple, heads: list) -> torch.Tensor:
+    """v [*lead, n] (lead: variables, None for size 1) over (*heads, n)."""
+    present = [x for x in lead if x is not None]
+    if any(x not in heads for x in present) or len(set(present)) < len(present):
+        raise _NotToeplitz
+    keep = [p for p, x in enumerate(lead) if x is not None]
+    v = v.reshape([v.shape[p] for p in keep] + [v.shape[-1]])
+    v = v.permute([present.index(h) for h in heads if h in present] + [len(present)])
+    for p, h in enumerate(heads):
+        if h not in present:
+            v = v.unsqueeze(p)
+    return v
+
+
 def _flat(args, kwargs) -> list:
     out = []
     for a in list(args) + list(kwargs.values()):
@@ -312,7 +374,8 @@ def _check_shape(n: fx.Node, val, T: int) -> None:
     want = tuple(_hint(s) for s in ev.shape)
     if isinstance(val, Toep):
         ok = val.shape == want and val.v.shape[-1] == 2 * T - 1 and \
-            torch.broadcast_shapes(val.v.shape[:-1], want[:-2]) == want[:-2]
+            torch.broadcast_shapes(val.v.shape[:-1], want[:-2]) == want[:-2] and \
+            (val.r is None or torch.broadcast_shapes(tuple(val.r.shape), want[:-1]) == want[:-1])
     elif isinstance(val, torch.Tensor):
         ok = tuple(val.shape) == want
     else:
@@ -324,8 +387,15 @@ def _check_shape(n: fx.Node, val, T: int) -> None:
 def _pointwise(n: fx.Node, args, kwargs, T: int):
     """An elementwise op (or tril / triu) with a Toeplitz operand: the same op on the diagonals."""
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", None)
+    if any(isinstance(a, Toep) and a.r is not None for a in _flat(args, kwargs)):
+        return _on_row_scaled(name, args, kwargs)
     if name in ("tril", "triu"):
         return _band(name, args, kwargs, T)
+    if name == "sum":
+        return _row_sums(args, kwargs, T)
+    if name in ("div", "truediv", "mul") and len(args) == 2 and not kwargs and isinstance(args[0], Toep) \
+            and _is_column(args[1], T):
+        return _scaled_rows(name, args[0], args[1], T)
     if n.op == "call_method" and n.target not in _POINTWISE_METHODS or \
             n.op == "call_function" and n.target not in _POINTWISE_FUNCTIONS:
         raise _NotToeplitz
@@ -355,6 +425,51 @@ def _cast(args, kwargs) -> Toep:
     if len(dtypes) > 1:
         raise _NotToeplitz
     return Toep(x.v.to(dtypes[0]) if dtypes else x.v, x.shape)
+
+
+def _is_column(x, T: int) -> bool:
+    """x is a tensor [.., T, 1]: one factor per row."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(x.shape[-2:]) == (T, 1)
+
+
+def _row_sums(args, kwargs, T: int) -> torch.Tensor:
+    """X.sum(-1) of a Toep, [.., T] (kept: [.., T, 1]): the sum of row a is that of the diagonals
+    a - T + 1 .. a, a window of the diagonals' running sum (float64)."""
+    x, rest = args[0], list(args[1:])
+    dim = rest.pop(0) if rest else kwargs.get("dim")
+    keep = rest.pop(0) if rest else kwargs.get("keepdim", False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(x, Toep) or rest or set(kwargs) - {"dim", "keepdim"} or dim not in (-1, len(x.shape) - 1):
+        raise _NotToeplitz
+    v = x.v.double().expand(x.shape[:-2] + (2 * T - 1,))
+    run = torch.cat([torch.zeros(v.shape[:-1] + (1,), dtype=torch.float64), v.cumsum(-1)], -1)
+    sums = (run[..., T:] - run[..., :T]).to(x.v.dtype if x.v.is_floating_point() else torch.float64)
+    return sums.unsqueeze(-1) if keep else sums
+
+
+def _scaled_rows(name: str, x: Toep, c: torch.Tensor, T: int) -> Toep:
+    """X / c (X * c) for one factor c per row: a row-scaled Toep (the factor kept apart)."""
+    if x.r is not None:
+        raise _NotToeplitz
+    shape = tuple(torch.broadcast_shapes(x.shape, tuple(c.shape)))
+    if shape[-2:] != (T, T):
+        raise _NotToeplitz
+    r = c.double()[..., 0]
+    return Toep(x.v, shape, r.reciprocal() if name != "mul" else r)
+
+
+def _on_row_scaled(name: str, args, kwargs) -> Toep:
+    """nan_to_num of a row-scaled Toep whose entries are all finite (no entry changes), else
+    nothing: any other op would mix the row factor into the diagonals."""
+    x = args[0]
+    if name != "nan_to_num" or len(args) != 1 or not isinstance(x, Toep) or x.r is None:
+        raise _NotToeplitz
+    v, r = x.v.double(), x.r.double()
+    big = torch.finfo(x.v.dtype).max if x.v.is_floating_point() else 0.0
+    if not (torch.isfinite(v).all() and torch.isfinite(r).all()) or float(v.abs().max() * r.abs().max()) >= big / 2:
+        raise _NotToeplitz
+    return x
 
 
 def _diagonals(x):
