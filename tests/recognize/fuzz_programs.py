@@ -653,10 +653,12 @@ def _fix_parallel_choices(c: dict) -> dict:
 def parallel_gap(c: dict, d: dict) -> Optional[str]:
     """Why the recognizer does not cover this GLA spelling yet; None when it must (every
     parallel spelling now, K or V of size 1 included, except as below)."""
-    if c.get("grouped") and d["V"] == 1:
-        # with no value axis, v's own part of the heads is an output axis only v has, as the
-        # query time is q's: recognize/forms/parallel.py's _qkv_by_query cannot tell them apart
-        return "grouped q/k with V = 1: the value's head part reads like a query axis"
+    if c.get("grouped") and d["V"] == 1 and d.get("G") == 1 and d["K"] == d["H"]:
+        # with no value axis and q, k of one head, v's heads are an output axis only v has, as the
+        # query time is q's; recognize/forms/parallel.py's _qkv_by_query tells them apart by length
+        # (q's own axis is as long as the key time, v's as long as K), which fails here: a near
+        # miss says so
+        return "grouped q/k of one head, V = 1, K = H: the value's heads read like a query axis"
     return None
 
 

@@ -300,9 +300,8 @@ def test_known_bug(fn, rewrites):
 
 
 # ----------------------------------------------------------------------------------------------
-# recognizer gaps the fuzzer found in fuzz_new_forms.py: GLA programs left alone (kind "gap"
-# there, equal to eager only). Strict xfails: each turns into a pass, and fails here, once the
-# recognizer rewrites it; then drop the gap from fuzz_new_forms.py's *_gap functions too.
+# recognizer gaps the fuzzer found in fuzz_new_forms.py (GLA programs left alone, kind "gap"
+# there), each kept here as a regression test once the recognizer rewrites it.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -338,13 +337,22 @@ def _gap_program(family: str, choices: dict, dims: dict, train: bool = True) -> 
                    gate_dist="decay", choices=c, dims=d, expected=1, train=train)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a recognizer gap (fuzz_new_forms.py)")
+# the next gap found goes here as a strict xfail (raises=AssertionError), beside a kind "gap" in
+# fuzz_new_forms.py, until the recognizer rewrites it
+
+
 @pytest.mark.parametrize("family,choices,dims", [
-    ("normalized", {}, {"K": 1}),
-    ("power-chunks", {}, {"T": 2, "K": 2, "V": 2}),  # one chunk, K = V
-    ("power-chunks", {}, {"V": 1}),
-], ids=["normalized-K1", "power-one-chunk-K-eq-V", "power-V1"])
-def test_known_gap(family, choices, dims):
+    ("normalized", {}, {"K": 1}),  # scores contracted over nothing but a size-1 axis
+    ("normalized", {"variant": "after", "mask": "power"}, {"B": 1, "H": 1, "K": 1, "V": 1}),
+    ("power-chunks", {}, {"T": 2, "K": 2, "V": 2}),  # one chunk, B = H = K = V = T: the output tried as the gate
+    ("power-chunks", {"variant": "loop"}, {"T": 2, "K": 2, "V": 2}),
+    ("power-chunks", {}, {"V": 1}),  # no value axis: q is the input with the query position
+    ("power-chunks", {"variant": "loop", "source": "buffer"}, {"K": 1}),
+    ("power-chunks", {"shift": "cat"}, {"B": 1, "H": 1, "K": 1, "V": 1}),
+], ids=["normalized-K1", "normalized-all-1", "power-one-chunk-all-2", "power-loop-one-chunk-all-2", "power-V1",
+        "power-loop-buffer-K1", "power-cat-all-1"])
+def test_former_new_form_gap(family, choices, dims):
+    """Gaps closed since: rewritten once, exact against float64 in value and gradients."""
     check_program(_gap_program(family, choices, dims), rewrite_only)
 
 

@@ -164,3 +164,37 @@ def test_grouped_through_inductor():
     got = outputs(torch.compile(fn, backend=gla_inductor.backend, fullgraph=True)(*args))
     assert counters["gla_inductor"]["rewrites"] == 1
     check_against_float64(fn, args, got)
+
+
+def _one_group(k_size, h_size):
+    """q and k of one head repeated over v's h_size heads, V = 1, a scalar gate per head."""
+
+    def fn(q, k, v, g):
+        q, k = q.expand(-1, h_size, -1, -1), k.expand(-1, h_size, -1, -1)
+        Gc = g.cumsum(-1)
+        D = (Gc[..., :, None] - Gc[..., None, :]).exp().tril()
+        return (q @ k.transpose(-1, -2) * D) @ v
+
+    args = [torch.randn(B, 1, T, k_size), torch.randn(B, 1, T, k_size), torch.randn(B, h_size, T, 1),
+            F.logsigmoid(torch.randn(B, h_size, T) + 2)]
+    return fn, [x.requires_grad_() for x in args]
+
+
+@pytest.mark.parametrize("k_size,h_size", [(3, 2), (1, 2), (2, 7)])
+def test_one_group_without_value_axis(k_size, h_size):
+    """With V = 1 both q (the query time) and v (its heads, which q and k do not have) carry an
+    output axis no other input has: q is the one whose axis is as long as the key time."""
+    fn, args = _one_group(k_size, h_size)
+    got, results, _ = _compile(fn, args)
+    assert counters["gla_inductor"]["rewrites"] == 1, [nm.reason for r in results for nm in r.near_misses]
+    check_against_float64(fn, args, got)
+
+
+def test_one_group_without_value_axis_ambiguous():
+    """K = H as well: v's heads are as long as the key axis that q and k contract, and q's time
+    as long as the key time: left alone, saying so (and exact)."""
+    fn, args = _one_group(2, 2)
+    got, results, _ = _compile(fn, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    assert any("which is q cannot be told by shape" in nm.reason for r in results for nm in r.near_misses)
+    check_against_float64(fn, args, got)

@@ -58,13 +58,11 @@ def _follows(an: Analyzer, decay: list, axes: list, tables: list, g0: torch.Tens
     gen = torch.Generator().manual_seed(0)
     g1 = g0 * (1 - FOLLOW_SPREAD / 2 + FOLLOW_SPREAD * torch.rand(g0.shape, generator=gen, dtype=torch.float64))
     state = {t.node: table_gate.table_value(t, g1) for t in fitted}
-    D = static_decay._evaluate(an, decay, axes, state)
-    if D is None:
-        return False
     try:
-        return static_decay._check(D.reshape(-1, D.shape[-2], D.shape[-1])) == reverse
+        checked = static_decay.checked_decay(an, decay, axes, state)
     except Reject:
         return False
+    return checked is not None and checked[0] == reverse
 
 
 class GuardedGate:

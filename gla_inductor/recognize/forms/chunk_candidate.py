@@ -24,7 +24,8 @@ from . import positive_gate
 from .cumsum_chunks import cumulative
 from .grouped_heads import shared_qk
 
-MAX_CANDIDATES = 8  # letterings tried per input: more means the shapes are too ambiguous
+MAX_CANDIDATES = 8  # readings tried per gate candidate: more means its shape is too ambiguous
+MAX_READINGS = 16  # readings tried in all, each a float64 evaluation of the subgraph
 FINAL_STATE_REACH = 64  # nodes searched past the last one computed from the subgraph
 
 
@@ -32,19 +33,27 @@ def complete(an: Analyzer, base: Spec, tables_gate: bool = False) -> Spec:
     """The gate, initial state and final state: the first reading that certifies. `tables_gate`:
     the caller computes a constant gate in the graph from decay tables in module state
     (``table_gate.py``), so where the code reads such tables the fitted gate is tried first."""
-    tried, too_large = 0, None
+    tried, too_large, per_gate = 0, None, {}
     for spec in readings(an, base, tables_gate):
         spec = fitted_gamma(an, spec) if spec.gate == "fit" else spec
         if spec is None:
             continue
+        # the limits count per gate node: where sizes coincide (an [H] gate input also reads as an
+        # initial state at K = V = 1), one node's many letterings must not use up another's turn
+        gate = spec.g.node if spec.g is not None else None
+        per_gate[gate] = per_gate.get(gate, 0) + 1
+        if per_gate[gate] > MAX_CANDIDATES:
+            continue
         tried += 1
-        if tried > MAX_CANDIDATES:
+        if tried > MAX_READINGS:
             raise too_large or Reject("too many ways to read the gate and states by shape")
         try:
             if certify(an, spec):
                 return spec
         except CertificateTooLarge as e:
             too_large = first_too_large(too_large, e)
+    if any(n > MAX_CANDIDATES for n in per_gate.values()):
+        raise too_large or Reject("too many ways to read the gate and states by shape")
     raise too_large or Reject("no reading of the chunked computation as GLA was certified")
 
 
@@ -75,8 +84,11 @@ def _gate_options(an: Analyzer, base: Spec, nodes: set, fit_first: bool = False)
     if fit_first:
         yield replace(base, gate="fit")
     yield base
-    # nearest the output first; cumulative log decays (a gate's cumsum) after every gate-shaped node
-    cands = sorted(nodes, key=lambda n: (cumulative(n), -an.order[n]))
+    # nearest the output first; cumulative log decays (a gate's cumsum) after every gate-shaped node,
+    # and values computed from q, k or v (the output, its partial sums: rarely a gate) after both, so
+    # that where sizes coincide their many letterings do not use up the tries before a gate's turn
+    mixed = _computed_from(an, nodes, {base.q.node, base.k.node, base.v.node})
+    cands = sorted(nodes, key=lambda n: (n in mixed, cumulative(n), -an.order[n]))
     for n in cands:
         val = example_value(n)
         if not isinstance(val, torch.Tensor) or an.consts.is_const(n) or not val.is_floating_point():
@@ -88,6 +100,15 @@ def _gate_options(an: Analyzer, base: Spec, nodes: set, fit_first: bool = False)
                     yield replace(base, g=LFactor(n, letters), gate=kind, gate_is_log=False)
     if not fit_first:
         yield replace(base, gate="fit")
+
+
+def _computed_from(an: Analyzer, nodes: set, sources: set) -> set:
+    """The nodes of `nodes` computed (within them) from one of `sources`."""
+    found = set()
+    for n in sorted(nodes, key=an.order.__getitem__):
+        if any(x in sources or x in found for x in n.all_input_nodes):
+            found.add(n)
+    return found
 
 
 def _state_options(base: Spec, frontier: set) -> list:

@@ -136,7 +136,7 @@ def _analyze(an: Analyzer, out: fx.Node, term, r: Roles) -> Match:
 
 def _analyze_as(an: Analyzer, out: fx.Node, term, r: Roles, batch: str) -> Match:
     letter = {x: batch[n] for n, x in enumerate(r.batch)}
-    letter.update({r.kk: "k", r.vv: "v"})
+    letter.update({x: c for x, c in ((r.kk, "k"), (r.vv, "v")) if x is not None})
     q, k, v = (_leaf(f, pos, r, letter) for f, pos in ((r.q, r.i), (r.k, r.j), (r.v, r.j)))
     sizes = role_sizes(an, r, batch)
     out_groups = _out_groups(an.value(out), r, letter)

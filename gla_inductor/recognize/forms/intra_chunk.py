@@ -34,8 +34,8 @@ class Roles:
     i: int  # position of the query within its chunk
     j: int  # position of the key
     c: Optional[int]  # the chunk (None when there is one)
-    kk: int
-    vv: int
+    kk: Optional[int]  # None: K has size 1
+    vv: Optional[int]  # None: V has size 1
     batch: list
 
     def time(self, pos: int) -> tuple:
@@ -106,23 +106,16 @@ def _roles(an: Analyzer, av: AV, term) -> Optional[Roles]:
         return [f for f in atoms if x in factor_vars(f)]
 
     vvs = [x for x in ov if len(holders(x)) == 1 and x not in other_vars and factor_vars(holders(x)[0]) & summed]
-    if len(vvs) != 1:
+    qkv = _qkv_by_value(atoms, vvs, summed, holders) if vvs else _qkv_by_query(atoms, ov, summed)
+    if qkv is None:
         return None
-    vv, v = vvs[0], holders(vvs[0])[0]
-    js = factor_vars(v) & summed
-    kks = summed - js
-    if len(js) != 1 or len(kks) != 1:
-        return None
-    j, kk = next(iter(js)), next(iter(kks))
-    ks = [f for f in atoms if f is not v and {j, kk} <= factor_vars(f)]
-    qs = [f for f in atoms if f is not v and kk in factor_vars(f) and j not in factor_vars(f)]
-    if len(ks) != 1 or len(qs) != 1:
-        return None
-    q, k = qs[0], ks[0]
+    q, k, v, j, kk, vv = qkv
     i_s = [x for x in ov if x in factor_vars(q) and x not in factor_vars(k) | factor_vars(v)]
     if len(i_s) != 1:
         return None
     i = i_s[0]
+    if vv is None and not {i, j} <= other_vars:
+        return None  # read by q's own axis alone, i and j must be the positions the decay relates
     c = _chunk_var(q, i)  # None: a single chunk (its axis has size 1)
     if _chunk_var(k, j) != c or _chunk_var(v, j) != c or c is None and (i not in q.idx or j not in k.idx):
         return None
@@ -130,6 +123,49 @@ def _roles(an: Analyzer, av: AV, term) -> Optional[Roles]:
     if len(batch) > 2:
         return None
     return Roles(q, k, v, i, j, c, kk, vv, batch)
+
+
+def _qkv_by_value(atoms: list, vvs: list, summed: set, holders) -> Optional[tuple]:
+    """(q, k, v, j, kk, vv) given the value axis vv, the one output axis only v has; kk None
+    for K of size 1 (nothing but the key time is summed)."""
+    if len(vvs) != 1:
+        return None
+    vv, v = vvs[0], holders(vvs[0])[0]
+    js = factor_vars(v) & summed
+    kks = summed - js
+    if len(js) != 1 or len(kks) > 1:
+        return None
+    j, kk = next(iter(js)), next(iter(kks), None)
+    ks = [f for f in atoms if f is not v and j in factor_vars(f) and (kk is None or kk in factor_vars(f))]
+    qs = [f for f in atoms if f is not v and j not in factor_vars(f) and (kk is None or kk in factor_vars(f))]
+    if len(ks) != 1 or len(qs) != 1:
+        return None
+    return qs[0], ks[0], v, j, kk, vv
+
+
+def _qkv_by_query(atoms: list, ov: set, summed: set) -> Optional[tuple]:
+    """(q, k, v, j, kk, None) where no output axis is v's alone: V of size 1. q is the input
+    with an output axis no other has (the query position); k and v share the summed key time,
+    and k the key axis. With K of size 1 too, k and v are alike (sum_j q_i k_j v_j D_ij is
+    symmetric in them, and so is the final state): the first is taken for k."""
+    def private(f):
+        return (factor_vars(f) & ov) - set().union(*(factor_vars(g) for g in atoms if g is not f))
+
+    qs = [f for f in atoms if private(f)]
+    if len(qs) != 1:
+        return None
+    q = qs[0]
+    rest = [f for f in atoms if f is not q]
+    js = summed & factor_vars(rest[0]) & factor_vars(rest[1])
+    kks = summed - js
+    if len(js) != 1 or len(kks) > 1:
+        return None
+    j, kk = next(iter(js)), next(iter(kks), None)
+    if kk is not None:
+        if kk not in factor_vars(q) or sum(kk in factor_vars(f) for f in rest) != 1:
+            return None
+        rest.sort(key=lambda f: kk not in factor_vars(f))
+    return q, rest[0], rest[1], j, kk, None
 
 
 def power_decay(an: Analyzer, n: fx.Node) -> bool:
@@ -165,7 +201,8 @@ def role_sizes(an: Analyzer, r: Roles, batch: str = "bh") -> dict:
     variables = {batch[n]: x for n, x in enumerate(r.batch)}
     variables.update({"k": r.kk, "v": r.vv, "c": r.c, "i": r.i})
     check_static(an, variables)
-    sizes = {"b": 1, "h": 1, "k": an.sizes[r.kk], "v": an.sizes[r.vv]}
+    sizes = {"b": 1, "h": 1, "k": an.sizes[r.kk] if r.kk is not None else 1,
+             "v": an.sizes[r.vv] if r.vv is not None else 1}
     sizes["t"] = an.sizes[r.i] * (an.sizes[r.c] if r.c is not None else 1)
     for n, x in enumerate(r.batch):
         sizes[batch[n]] = an.sizes[x]

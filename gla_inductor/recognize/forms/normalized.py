@@ -94,7 +94,7 @@ def _is_scores(an: Analyzer, a: fx.Node) -> bool:
     data = [f for f in fs if f.kind == "atom" and not static_decay.is_static_atom(an, f)]
     decay = [f for f in fs if f.kind != "scalar" and not any(f is d for d in data)]
     summed = mono_vars(av.terms[0]) - out_vars(av.out)  # (K, or K split in parts by a rotary embedding)
-    return len(data) == 2 and bool(decay) and bool(summed) and all(summed <= factor_vars(f) for f in data)
+    return len(data) == 2 and bool(decay) and all(summed <= factor_vars(f) for f in data)
 
 
 def _read(an: Analyzer, a: fx.Node) -> Optional[Normalized]:

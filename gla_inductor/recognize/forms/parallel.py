@@ -317,7 +317,7 @@ def _roles(an: Analyzer, av: AV, term, atoms: Optional[list] = None) -> Roles:
         q, k, v, j, kk = _qkv_by_value(atoms, holders(vv)[0], summed)
     else:
         vv = None
-        q, k, v, j, kk = _qkv_by_query(atoms, out, summed)
+        q, k, v, j, kk = _qkv_by_query(an, atoms, out, summed)
     i_c = [x for x in out if x in factor_vars(q) and x not in factor_vars(k) and x not in factor_vars(v)]
     if len(i_c) != 1:
         raise Reject("q must carry exactly one query-time axis")
@@ -352,15 +352,23 @@ def _qkv_by_value(atoms: list, v: Factor, summed: set) -> tuple:
     return q_c[0], k_c[0], v, j, kk
 
 
-def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
+def _qkv_by_query(an: Analyzer, atoms: list, out: list, summed: set) -> tuple:
     """(q, k, v, j, kk) where no axis is the value's alone: V of size 1. q is the input with the
     query-time axis, an output axis no other input has; k and v share the summed time axis,
-    and k has the key axis. With K of size 1 too, k and v are alike (o = sum_j q_i k_j v_j D_ij
-    is symmetric in them): the first is taken for k."""
+    and k the key axis. With K of size 1 too, k and v are alike (o = sum_j q_i k_j v_j D_ij
+    is symmetric in them): the first is taken for k. Where q and k are shared by groups of
+    heads, v has an output axis of its own too (its part of the heads): q is the one whose own
+    axis is as long as the axis the other two contract (for q: the key time; for v: the key axis)."""
     def private(f):
         return {x for x in out if x in factor_vars(f)} - set().union(*(factor_vars(g) for g in atoms if g is not f))
 
     q_c = [f for f in atoms if private(f)]
+    if len(q_c) > 1:
+        q_c = [f for f in q_c if any(_same_size(an, x, _key_time(atoms, f, summed)) for x in private(f))]
+        if len(q_c) > 1:
+            raise Reject("V has size 1 and q and k are shared by groups of heads: two inputs carry an output axis "
+                         "of their own (the query time; the value's part of the heads) as long as an axis the "
+                         "other two contract (the key time; the key axis), so which is q cannot be told by shape")
     if len(q_c) != 1:
         raise Reject("no value axis: an output axis that only v carries")
     q = q_c[0]
@@ -370,6 +378,17 @@ def _qkv_by_query(atoms: list, out: list, summed: set) -> tuple:
     if kk is not None and (len(k_c) != 1 or kk not in factor_vars(q)):
         raise Reject("cannot tell q and k apart")
     return q, k_c[0], next(f for f in rest if f is not k_c[0]), j, kk
+
+
+def _key_time(atoms: list, q: Factor, summed: set) -> Optional[int]:
+    """The summed axis the two inputs other than `q` share (the key time where `q` is q)."""
+    rest = [f for f in atoms if f is not q]
+    js = [s for s in summed if all(s in factor_vars(f) for f in rest)]
+    return js[0] if len(js) == 1 else None
+
+
+def _same_size(an: Analyzer, x: int, y: Optional[int]) -> bool:
+    return y is not None and isinstance(an.sizes[x], int) and an.sizes[x] == an.sizes[y]
 
 
 # ---- the whole analysis ---------------------------------------------------------------------

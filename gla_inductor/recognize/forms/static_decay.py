@@ -33,6 +33,8 @@ from ..core.analyzer import Analyzer
 from ..core.consts import module_state, size_hint
 from ..core.emit import Emitter, Group, lfactor
 from ..core.match import Reject
+from . import toeplitz_decay
+from .toeplitz_decay import _num  # (the decay checks' number format, shared)
 
 RTOL = 1e-5  # fp32 intermediates of the user's mask (the buffer is read in float64)
 ATOL = 1e-7  # relative to a decay of 1 on the diagonal
@@ -74,24 +76,46 @@ def read(an: Analyzer, factors: list, i: int, j: int, batch: list, letter: dict,
             raise Reject("the decay depends on the batch" if extra <= set(batch)
                          else "the decay is indexed by an axis other than the head and the two times")
     axes = heads + [i, j]
-    D = _evaluate(an, factors, axes)
-    if D is None:
+    checked = checked_decay(an, factors, axes)
+    if checked is None:
         raise Reject("the decay depends only on positions and buffers but could not be evaluated")
-    reverse = _check(D.reshape(-1, D.shape[-2], D.shape[-1]))
+    reverse, gammas = checked
     state = _perturbed_state(an, factors) if perturb else {}
     if state:
-        D2 = _evaluate(an, factors, axes, state)
         try:
-            if D2 is None or _check(D2.reshape(-1, D.shape[-2], D.shape[-1])) != reverse:
+            again = checked_decay(an, factors, axes, state)
+            if again is None or again[0] != reverse:
                 raise Reject("the decay's direction changes with the buffer values")
         except Reject as e:
             names = ", ".join(sorted(_state_name(n) for n in state))
             raise Reject(f"the decay is of GLA form for the values of {names} at compile time only (with them "
                          f"perturbed by up to 10%: {e}): a change after compiling could break it unseen") from None
-    gammas = _gammas(D.reshape(-1, D.shape[-2], D.shape[-1]), reverse)
     buffered = any(_reads_state(an, f) for f in factors)
     kind = "constant" if buffered or not torch.all(gammas == 1) else "none"
     return StaticGate(kind, reverse, _nodes(factors), gammas)
+
+
+def checked_decay(an: Analyzer, factors: list, axes: list, state: Optional[dict] = None) -> Optional[tuple]:
+    """(reverse, gammas) of the decay over `axes` (heads, i, j), checked to be GLA's constant-gate
+    decay (Reject saying which fact failed otherwise); None where it cannot be evaluated. Along its
+    diagonals where every [T, T] tensor of it is proven Toeplitz (``toeplitz_decay.py``: O(H T),
+    every entry still covered), else whole."""
+    diagonals = toeplitz_decay.evaluate(an, factors, axes, state, rows=True)
+    if diagonals is not None:
+        v, r = diagonals
+        T = (v.shape[-1] + 1) // 2
+        if r is None:
+            v = v.reshape(-1, v.shape[-1])
+            reverse = toeplitz_decay.check(v, T)
+            return reverse, toeplitz_decay.gammas(v, T, reverse)
+        # (scaled per row: rejected here, saying so, unless its diagonal is 1 after all)
+        toeplitz_decay.check_scaled(v.reshape(-1, v.shape[-1]), r.expand(v.shape[:-1] + (T,)).reshape(-1, T), T)
+    D = _evaluate(an, factors, axes, state)
+    if D is None:
+        return None
+    D = D.reshape(-1, D.shape[-2], D.shape[-1])
+    reverse = _check(D)
+    return reverse, _gammas(D, reverse)
 
 
 def _check(D: torch.Tensor) -> bool:
@@ -149,10 +173,6 @@ def _separable(D: torch.Tensor, gammas: torch.Tensor, reverse: bool) -> Optional
         return None
     h, r, c = (int(x) for x in (err == err.max()).nonzero()[0])
     return h, r, c, want[h, r, c]
-
-
-def _num(x) -> str:
-    return f"{float(x):.4g}"
 
 
 # ---- evaluation ----------------------------------------------------------------------------
