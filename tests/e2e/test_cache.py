@@ -100,11 +100,12 @@ def test_template_change_invalidates_warm_caches(tmp_path):
     first, again = run_copy(), run_copy()
     assert first["file"].startswith(str(tmp_path)) and abs(first["ratio"] - 1) < 1e-4
     assert again["fx_hit"] >= 1 and abs(again["ratio"] - 1) < 1e-4  # the cache works
-    scan = package / "kernels" / "templates" / "gla_chunk_scan.py.jinja"
-    source = scan.read_text()
-    anchor = "b_o = _gla_dot(b_x, b_sd, F32_PRECISION) + _gla_dot(b_A, b_w, F32_PRECISION)"
+    # the forward without a gate: the carry computing its chunk terms (kernels/configs.py)
+    carry = package / "kernels" / "templates" / "gla_chunk_carry.py.jinja"
+    source = carry.read_text()
+    anchor = "b_o = b_o + _gla_dot(b_s.to(DOT_DTYPE), tl.trans(b_x), F32_PRECISION) * b_xf[None, :]"
     assert anchor in source
-    scan.write_text(source.replace(anchor, anchor + "\n        b_o = 2 * b_o"))
+    carry.write_text(source.replace(anchor, anchor + "\n        b_o = 2 * b_o"))
     changed = run_copy()
     assert abs(changed["ratio"] - 2) < 1e-4, changed
 
