@@ -241,8 +241,9 @@ def terms_segments(B: int, H: int, V: int, BK: int, NT: int, sms: int) -> int:
 
 def env_scan_segments() -> Optional[tuple[int, int]]:
     """GLA_INDUCTOR_SCAN_SEGMENTS="P" or "P,Q": the forward's scan segments P and the backward's Q (P
-    when not given) for every call that takes the fused schedule, instead of ``scan_segments``; for
-    A/B runs on a GPU (read when a config is made: set it before the first call). Unset: None."""
+    when not given) for every call that takes the fused schedule, instead of ``scan_segments`` (P
+    only where the forward is the fused scan, with ``terms`` off); for A/B runs on a GPU (read when a
+    config is made: set it before the first call). Unset: None."""
     text = os.environ.get("GLA_INDUCTOR_SCAN_SEGMENTS", "").strip()
     if not text:
         return None
