@@ -40,6 +40,7 @@ import torch.fx as fx
 from .core.analyzer import Analyzer
 from .core.clean import dead_code_elimination
 from .core.emit import Transaction
+from .core.local_updates import functionalize
 from .core.match import Match, NearMiss
 from .forms import chunk_states, chunked, decode, loop, parallel
 from .forms.packed_spans import merge_spans
@@ -88,6 +89,8 @@ def _no_gc():
 
 def _rewrite(gm: fx.GraphModule, forms, start: float, unprofitable_reason) -> RewriteResult:
     graph = gm.graph
+    # in-place updates of the program's own tensors as the values they compute (core/local_updates.py)
+    functionalized = functionalize(graph)
     an = Analyzer(graph)
     result = RewriteResult()
     found, covered, near_misses = [], set(), []
@@ -131,6 +134,7 @@ def _rewrite(gm: fx.GraphModule, forms, start: float, unprofitable_reason) -> Re
         log.info("gla_inductor: left a %s-form candidate alone: %s", nm.form, nm.reason)
     if result.matches:
         txn.commit()
+    if result.matches or functionalized:
         dead_code_elimination(graph)
         gm.recompile()
     result.seconds = time.perf_counter() - start
