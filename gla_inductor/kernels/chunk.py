@@ -57,7 +57,7 @@ from ..impl import prefix_states
 from . import configs
 from .configs import (ChunkConfig, TileConfig, carry_options, dqkg_block_k,
                       faulting_tile, interpreting, kernel_options, local_options, local_terms, scan_options,
-                      segsum_options, unsupported_reason)
+                      segment_decays_shape, segsum_options, unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
 __all__ = ["backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
@@ -166,14 +166,17 @@ class _Launcher:
         each of the P segments of a scan's walk leaves from a zero start and the decay across it."""
         tiles = self.cfg.segsum
         hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        gated = self.options["USE_GK"] or self.options["USE_G"] or self.options["USE_G_GAMMA"]
-        ds_shape = (self.N, segments, self.H) + ((self.K,) if self.options["USE_GK"] else ())
-        ds = torch.empty(ds_shape, dtype=torch.float32, device=self.device) if gated else None
+        ds = self._segment_decays(segments)
         options = dict(segsum_options(self.options, dual=dual, segments=segments), BV=tiles.block_v)
         tensors = dict(x=x, v=v, **self.gates, ds=ds, cu_seqlens=self.cu_seqlens)
         grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_segsum", options, tensors, hs, grid, tiles)
         return hs, ds
+
+    def _segment_decays(self, segments: int) -> Optional[Tensor]:
+        """An uninitialized ds, the decay across each segment (``segment_decays_shape``), or None."""
+        shape = segment_decays_shape(self.options, self.N, segments, self.H, self.K)
+        return None if shape is None else torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def local(self, q: Tensor, k: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """gla_chunk_local: (qs, ks, A, dl), see the template. Packed sequences: one program per
@@ -202,8 +205,8 @@ class _Launcher:
         store_ht = ht is not None and ht.numel() > 0
         hs, ds = self.segment_sums(y, v, dl, dual, segments, terms) if segments > 1 else (None, None)
         options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
-                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments),
-                       BV=tiles.block_v, TERMS=terms)
+                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments, terms=terms),
+                       BV=tiles.block_v)
         tensors = dict(x=x, A=A, y=y, v=v, dl=dl) if not terms else dict(q=x, k=y, v=v, **self.gates)
         tensors.update(h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None, cu_seqlens=self.cu_seqlens)
         grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
@@ -215,16 +218,10 @@ class _Launcher:
         state each of the P segments leaves from a zero start and the decay across it."""
         tiles = self.cfg.carry
         hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        if terms:
-            gated = self.options["USE_G"] or self.options["USE_G_GAMMA"]
-            ds = torch.empty(self.N, segments, self.H, dtype=torch.float32, device=self.device) if gated else None
-            tensors = dict(k=y, v=v, **self.gates, ds=ds)
-        else:
-            ds = None if dl is None else torch.empty(self.N, segments, *dl.shape[2:], dtype=torch.float32,
-                                                      device=self.device)
-            tensors = dict(y=y, v=v, dl=dl, ds=ds)
-        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True),
-                       BV=tiles.block_v, TERMS=terms)
+        ds = self._segment_decays(segments)
+        tensors = dict(k=y, v=v, **self.gates, ds=ds) if terms else dict(y=y, v=v, dl=dl, ds=ds)
+        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms),
+                       BV=tiles.block_v)
         grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, dict(tensors, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
         return hs, ds

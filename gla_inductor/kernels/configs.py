@@ -18,7 +18,8 @@ from ..gates import GateFn
 
 __all__ = [
     "ChunkConfig", "TileConfig", "carry_options", "default_config", "dqkg_block_k", "faulting_tile",
-    "kernel_options", "local_options", "local_terms", "scan_options", "scan_segments", "segsum_options",
+    "kernel_options", "local_options", "local_terms", "scan_options", "scan_segments", "segment_decays_shape",
+    "segsum_options",
     "unsupported_reason",
 ]
 
@@ -168,12 +169,26 @@ def segsum_options(options: dict, *, dual: bool, segments: int) -> dict:
     return dict(options, DUAL=dual, SEGMENTS=segments)
 
 
-def carry_options(options: dict, *, dual: bool, segments: int, segment_sums: bool = False, **mode) -> dict:
+def carry_options(options: dict, *, dual: bool, segments: int, segment_sums: bool = False, terms: bool = False,
+                  **mode) -> dict:
     """gla_chunk_carry's options: the scan's modes (``mode``: write_out, store_states, use_h0,
-    store_ht), its segments, and SEGMENT_SUMS, which takes none of the modes."""
+    store_ht), its segments, SEGMENT_SUMS, which takes none of the modes, and TERMS (the chunk
+    terms computed from q, k and the gate)."""
     if segment_sums:
         mode = dict(write_out=False, store_states=False, use_h0=False, store_ht=False)
-    return dict(scan_options(options, dual=dual, **mode), SEGMENTS=segments, SEGMENT_SUMS=segment_sums)
+    return dict(scan_options(options, dual=dual, **mode), SEGMENTS=segments, SEGMENT_SUMS=segment_sums,
+                TERMS=terms)
+
+
+def segment_decays_shape(options: dict, N, segments: int, H, K) -> Optional[tuple]:
+    """Shape of ds, the decay across each segment of a walk (gla_chunk_segsum, gla_chunk_carry's
+    SEGMENT_SUMS): [N, P, H, K] for a vector gate, [N, P, H] for scalar and constant gates; None
+    without a gate. Sizes may be symbolic (lowerings)."""
+    if options["USE_GK"]:
+        return (N, segments, H, K)
+    if options["USE_G"] or options["USE_G_GAMMA"]:
+        return (N, segments, H)
+    return None
 
 
 def local_options(options: dict, transpose: bool) -> dict:

@@ -37,7 +37,8 @@ from torch.utils._sympy.functions import CeilDiv, FloorDiv
 from ..contract import CHUNK_BWD_ARGS, GLACall
 from ..kernels.chunk import varlen_state_slots
 from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
-                               kernel_options, local_options, local_terms, scan_options, segsum_options)
+                               kernel_options, local_options, local_terms, scan_options, segment_decays_shape,
+                               segsum_options)
 from ..kernels.standalone import OUT, load_template, render_source
 from ..ops.dispatch import chunk_unsupported_reason
 
@@ -277,9 +278,7 @@ class _Plan:
         start (main output) and the decay across it (None without a gate)."""
         N, H, K = self.N, self.H, self.K
         o = self.options
-        ds = None
-        if o["USE_GK"] or o["USE_G"] or o["USE_G_GAMMA"]:
-            ds = _empty((N, segments, H) + ((K,) if o["USE_GK"] else ()), torch.float32, self.device)
+        ds = self._segment_decays(segments)
         tensors = {n: t for n, t in dict(x=x, v=v, **self.gates, ds=ds, cu_seqlens=self.cu_seqlens).items()
                    if t is not None}
         tiles = self.cfg.segsum
@@ -287,6 +286,11 @@ class _Plan:
         hs = self._select(SEGSUM, segsum_options(o, dual=dual, segments=segments), tensors, layout,
                           [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
         return hs, ds
+
+    def _segment_decays(self, segments: int):
+        """An empty ds, the decay across each segment (``segment_decays_shape``), or None."""
+        shape = segment_decays_shape(self.options, self.N, segments, self.H, self.K)
+        return None if shape is None else _empty(shape, torch.float32, self.device)
 
     def local(self, q, k, *, transpose: bool):
         """gla_chunk_local: (qs, ks, A, dl), the chunk-local terms (see the template); dl is None
@@ -315,9 +319,8 @@ class _Plan:
             y = tensors["k" if terms else "y"]
             hs, ds = self.segment_sums(y, tensors["v"], tensors.get("dl"), dual, segments, terms)
             tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
-        options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
-                                     use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments),
-                       TERMS=terms)
+        options = carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
+                                use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments, terms=terms)
         tiles = self.cfg.carry
         return self._select(CARRY, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
@@ -326,15 +329,10 @@ class _Plan:
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs, ds), the state each segment leaves from a zero
         start (main output) and the decay across it (None without a gate)."""
         N, H = self.N, self.H  # the states' batch: the sequences, where packed
-        if terms:
-            gated = self.options["USE_G"] or self.options["USE_G_GAMMA"]
-            ds = _empty((N, segments, H), torch.float32, self.device) if gated else None
-            named = dict(k=y, v=v, **self.gates, ds=ds)
-        else:
-            ds = None if dl is None else _empty((N, segments, *dl.get_size()[2:]), torch.float32, self.device)
-            named = dict(y=y, v=v, dl=dl, ds=ds)
+        ds = self._segment_decays(segments)
+        named = dict(k=y, v=v, **self.gates, ds=ds) if terms else dict(y=y, v=v, dl=dl, ds=ds)
         tensors = {n: t for n, t in dict(named, cu_seqlens=self.cu_seqlens).items() if t is not None}
-        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True), TERMS=terms)
+        options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms)
         tiles = self.cfg.carry
         layout = _layout(self.device, torch.float32, (N, segments, H, self.K, self.V))
         hs = self._select(CARRY, options, tensors, layout, [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])

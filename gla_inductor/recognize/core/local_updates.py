@@ -53,7 +53,7 @@ def functionalize(graph: fx.Graph) -> int:
         if _is_write(root) or not _fresh(root):
             continue
         members = _chain(root)
-        if len(members) > 1 and _only_safe_readers(members) and _shape_and_dtype_kept(members):
+        if len(members) > 1 and _only_safe_readers(members) and _shape_and_dtype_kept(root, members):
             _rewrite(graph, sorted(members, key=order.__getitem__), order)
             done += 1
     return done
@@ -113,10 +113,10 @@ def _safe_reader(user: fx.Node, m: fx.Node) -> bool:
     return op_name(user) in _FRESH_OPS and not _is_write(user)
 
 
-def _shape_and_dtype_kept(members: set) -> bool:
+def _shape_and_dtype_kept(root: fx.Node, members: set) -> bool:
     """Each write's functional result has the tensor's shape and dtype (checked on the example
     values: the op on the value before it)."""
-    ref = example_value(next(iter(members)))
+    ref = example_value(root)
     for w in members:
         if not _is_write(w):
             continue
