@@ -272,8 +272,11 @@ class Emitter:
     def _einsum(self, factors, out: str) -> fx.Node:
         if len(factors) == 1 and factors[0].letters.replace("1", "") == out:
             node = self.selected(factors[0])
-            ones = [i for i, c in enumerate(factors[0].letters) if c == "1"]
-            return self.call(torch.squeeze, node, tuple(ones)) if ones else node
+            # one axis at a time: DTensor has a sharding rule for squeeze.dim on every torch we
+            # support, for squeeze.dims (several axes at once) only on recent ones
+            for i in reversed([i for i, c in enumerate(factors[0].letters) if c == "1"]):
+                node = self.call(torch.squeeze, node, i)
+            return node
         dummy = iter("acdefgijlmnopqrsuwxyz")
         specs = []
         for f in factors:
