@@ -40,7 +40,7 @@ def fold(states: Tensor, decays: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     after = decays.flip(1).cumprod(1).flip(1)  # prod_{p' >= p} a_p'
     weights = torch.cat([after[:, 1:], torch.ones_like(after[:, :1])], 1)  # prod_{p' > p}
     weights = weights.unsqueeze(-1) if decays.dim() == 4 else weights[..., None, None]
-    return (weights * states).sum(1), after[:, 0]
+    return (weights * states).sum(1), after[:, 0].contiguous()  # the op's decay is contiguous
 
 
 def _log_gate(call: GLACall, B: int, T: int, H: int) -> Optional[Tensor]:

@@ -6,10 +6,15 @@ batch * head) each walk NT / P chunks from a zero state, one dot per chunk (the 
 work), and write the state their segment leaves and the decay across it; ``impl.final_state.fold``
 then combines the P segments (a product and a sum over [N, P, H, K, V]). Reads k, v and g (dual:
 q, do and g) once; writes nothing per chunk. The contract is ``impl.final_state``'s.
+
+Its tiles are its own (``tiles``), not the scan's: the pass does nothing but read its inputs and
+walk, so a value tile that covers all of V (read k and the gate once per head, not once per value
+tile) and deeper load pipelines pay here where the scan's registers would not allow them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -19,20 +24,40 @@ from torch import Tensor
 from ..contract import GLACall
 from ..impl.final_state import fold
 from . import chunk
-from .configs import ChunkConfig
+from .configs import ChunkConfig, TileConfig, pow2
 
-__all__ = ["final_state", "segments"]
+__all__ = ["final_state", "segments", "tiles"]
 
 
-def segments(programs: int, NT: int, sms: int) -> int:
-    """Segments of the walk (a power of two up to 16): up to two programs per SM, each walking at
-    least 4 chunks. A states-only walk does one dot per chunk and reads its inputs once; its
-    B * H * cdiv(V, BV) programs alone would leave most SMs idle at long T and few heads, the
+def segments(programs: int, NT: int, sms: int, per_sm: int = 2) -> int:
+    """Segments of the walk (a power of two up to 16): up to ``per_sm`` programs per SM, each
+    walking at least 4 chunks. A states-only walk does one dot per chunk and reads its inputs once;
+    its B * H * cdiv(V, BV) programs alone would leave most SMs idle at long T and few heads, the
     shapes that context parallelism runs."""
     P = 1
-    while P < 16 and (2 * P) * programs <= 2 * sms and NT >= 4 * (2 * P):  # the doubled count fits
+    while P < 16 and (2 * P) * programs <= per_sm * sms and NT >= 4 * (2 * P):  # the doubled count fits
         P *= 2
     return P
+
+
+def tiles(cfg: ChunkConfig, K: int, V: int, x_dtype: torch.dtype, v_dtype: torch.dtype,
+          vector_gate_dtype: Optional[torch.dtype]) -> tuple[TileConfig, int]:
+    """(gla_chunk_segsum's tile, programs per SM) for this pass; x is k (q in the dual mode), v is v
+    (do), vector_gate_dtype the dtype of a vector gate's tensor (None for other gates). With 16-bit
+    x and v and K <= 128, one value tile of up to 128 (x and the gate read once per head) and, for a
+    vector gate, 8 warps loading three chunks ahead, one program per SM; scalar and constant gates,
+    with no [BT, K] gate tile, 4 warps and two programs per SM. Measured against the scan's tiles at
+    B = 1, T = 32768, H = 16, K = V = 128 (bf16): vector gate 0.71 -> 0.33 ms, dual 0.66 -> 0.34;
+    scalar 0.24 -> 0.11, dual 0.14 -> 0.11 (benchmarks/results/h200-2026-11-27-states-tiles.md).
+    Elsewhere (fp32 inputs, K > 128: the [K, V] state and the stages outgrow the registers and
+    shared memory) the scan's tile."""
+    if pow2(K) > 128 or x_dtype.itemsize != 2 or v_dtype.itemsize != 2:
+        return cfg.segsum, 2
+    block_v = min(max(16, pow2(V)), 128)
+    if vector_gate_dtype is not None:
+        stages = 3 if vector_gate_dtype.itemsize == 2 else 2  # an fp32 gate tile takes twice the shared memory
+        return TileConfig(block_v=block_v, num_warps=8, num_stages=stages), 1
+    return TileConfig(block_v=block_v, num_warps=4, num_stages=2), 2
 
 
 def final_state(call: GLACall, do: Optional[Tensor] = None, config: Optional[ChunkConfig] = None,
@@ -50,9 +75,15 @@ def final_state(call: GLACall, do: Optional[Tensor] = None, config: Optional[Chu
         decay = x.new_ones((B, H, K) if call.gate_kind == "vector" else (B, H), dtype=torch.float32)
         return x.new_zeros(B, H, K, V, dtype=torch.float32), decay if gated else x.new_empty(0, dtype=torch.float32)
     NT = math.ceil(T / cfg.block_t)
+    if config is None:
+        gate_dtype = call.g.dtype if call.gate_kind == "vector" else None
+        tile, per_sm = tiles(cfg, K, V, x.dtype, v.dtype, gate_dtype)
+        cfg = dataclasses.replace(cfg, segsum=tile)
+    else:
+        per_sm = 2
     P = num_segments
     if P is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        P = segments(B * H * math.ceil(V / cfg.segsum.block_v), NT, sms)
+        P = segments(B * H * math.ceil(V / cfg.segsum.block_v), NT, sms, per_sm)
     hs, ds = chunk._Launcher(cfg, call).scan_segment_sums(x, v, dual, P)
     return fold(hs, ds)

@@ -9,6 +9,7 @@ import torch
 import final_state_cases as cases
 from gla_inductor.contract import GLACall
 from gla_inductor.gates import GateFn
+from gla_inductor.kernels import chunk
 from gla_inductor.kernels import final_state as kernel
 from gla_inductor.ops import dispatch
 
@@ -75,6 +76,23 @@ def test_segment_count():
     assert kernel.segments(programs=32, NT=16, sms=132) == 4  # 4 chunks each
     assert kernel.segments(programs=1, NT=10_000, sms=132) == 16
     assert kernel.segments(programs=512, NT=512, sms=132) == 1
+    assert kernel.segments(programs=16, NT=512, sms=132, per_sm=1) == 8  # V = 128 in one value tile
+
+
+@pytest.mark.parametrize("gate,dtype,K,want", [
+    ("vector", torch.bfloat16, 128, (128, 8, 3, 1)),
+    ("scalar", torch.bfloat16, 128, (128, 4, 2, 2)),
+    ("vector", torch.bfloat16, 64, (64, 8, 3, 1)),
+    ("vector", torch.float32, 128, None),  # fp32 operands: the scan's tile
+    ("vector", torch.bfloat16, 256, None),  # a [256, V] state: the scan's tile
+])
+def test_tiles(gate, dtype, K, want):
+    """The pass's own tiles: all of V (up to 128) in one value tile for 16-bit inputs at K <= 128."""
+    t = cases.inputs(gate, T=64, K=K, V=K, dtype=dtype)
+    call, cfg = chunk._prepare(_call(t), None)
+    tile, per_sm = kernel.tiles(cfg, K, K, call.k.dtype, call.v.dtype, call.g.dtype if gate == "vector" else None)
+    got = (tile.block_v, tile.num_warps, tile.num_stages, per_sm)
+    assert got == (want or (cfg.segsum.block_v, cfg.segsum.num_warps, cfg.segsum.num_stages, 2))
 
 
 @pytest.mark.parametrize("dual", [False, True], ids=["state", "dual"])
