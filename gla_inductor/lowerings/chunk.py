@@ -1,6 +1,7 @@
-"""Inductor lowerings of ``gla_inductor::chunk_fwd`` and ``chunk_bwd``: the chunked GLA kernels as
-``TritonTemplate`` choices, so compiled graphs run them as generated code (epilogues fused into the
-main output's store, autotuned under max-autotune) instead of an extern call to the eager op.
+"""Inductor lowerings of ``gla_inductor::chunk_fwd``, ``chunk_bwd`` and ``chunk_final_state``: the
+chunked GLA kernels as ``TritonTemplate`` choices, so compiled graphs run them as generated code
+(epilogues fused into the main output's store, autotuned under max-autotune) instead of an extern
+call to the eager op.
 
 The templates are the jinja sources of ``gla_inductor/kernels/templates/``, which the eager CUDA path
 renders standalone (``kernels/standalone.py``); tiles and options come from ``kernels.configs``, so a
@@ -35,12 +36,14 @@ from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import CeilDiv, FloorDiv
 
 from ..contract import CHUNK_BWD_ARGS, GLACall
+from ..kernels import final_state as final_state_kernels
 from ..kernels.chunk import varlen_state_slots
 from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
                                kernel_options, local_options, local_terms, scan_options, segment_decays_shape,
                                segsum_options)
 from ..kernels.standalone import OUT, load_template, render_source
 from ..ops.dispatch import chunk_unsupported_reason
+from ..ops.final_state import FINAL_STATE_ARGS, final_state_call
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -157,9 +160,9 @@ def _note_fallback(op: str, reason: str) -> None:
     log.info("gla_inductor: %s lowers to an extern call of the eager op: %s", op, reason)
 
 
-def _fallback(op, reason: str, *args):
+def _fallback(op, reason: str, *args, **kwargs):
     _note_fallback(str(op), reason)
-    return fallback_handler(op, add_to_fallback_set=False)(*args)
+    return fallback_handler(op, add_to_fallback_set=False)(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,3 +486,57 @@ def chunk_bwd(*args, **kwargs):
     if dg is None:
         dg = _empty((0,), q_dtype, device)
     return dq, dk, dv, dg, dg_gamma, dh0
+
+
+@register_lowering(gla.chunk_final_state.default, type_promotion_kind=None)
+def chunk_final_state(*args, **kwargs):
+    """The states-only pass as gla_chunk_segsum (its own tiles, ``kernels.final_state.tiles``) and the
+    fold of its segments as Inductor pointwise code: context parallelism's compiled step then calls
+    no eager op (an extern call cost about as much host time as the kernel's GPU time there)."""
+    named = dict(zip(FINAL_STATE_ARGS, args), **kwargs)
+    call = final_state_call(named)
+    reason = _why_not(call)
+    if reason is not None:
+        return _fallback(gla.chunk_final_state.default, reason, *args, **kwargs)
+    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
+    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    do = named.get("do")
+    dual = do is not None
+    if dual:
+        do = _realize(do if do.get_dtype() == dtype else to_dtype(do, dtype))
+    plan = _Plan(call, dtype)
+    x, w = (q, do) if dual else (k, v)
+    vector = call.gate_kind == "vector"
+    tile, per_sm = final_state_kernels.tiles(plan.cfg, int(plan.K), int(plan.V), dtype, dtype,
+                                             call.g.get_dtype() if vector else None)
+    plan.cfg = dataclasses.replace(plan.cfg, segsum=tile)
+    hint = V.graph.sizevars.optimization_hint
+    sms = torch.cuda.get_device_properties(plan.device).multi_processor_count if plan.device.type == "cuda" else 1
+    P = final_state_kernels.segments(hint(plan.N * plan.H) * -(-int(plan.V) // tile.block_v),
+                                     -(-hint(plan.T) // plan.cfg.block_t), sms, per_sm)
+    hs, ds = plan.scan_segment_sums(x, w, dual, P)
+    return _fold(hs, ds, P, vector, plan.device)
+
+
+def _fold(hs, ds, P: int, vector: bool, device):
+    """(state, decay) after the P segments in order, S <- a_p * S + hs_p from zero and the product of
+    the a_p (``impl.final_state.fold``), unrolled over the P (at most 16) segments: one pointwise
+    kernel over [N, H, K, V]."""
+    def segment(x, p):
+        return lowerings[aten.select.int](x, 1, p)
+
+    def rows(a):  # [N, H, K] per key, [N, H] per head -> broadcast over [N, H, K, V]
+        a = lowerings[aten.unsqueeze.default](a, -1)
+        return a if vector else lowerings[aten.unsqueeze.default](a, -1)
+
+    state = segment(hs, 0)
+    if ds is None:
+        for p in range(1, P):
+            state = lowerings[aten.add.Tensor](state, segment(hs, p))
+        return state, _empty((0,), torch.float32, device)
+    decay = segment(ds, 0)
+    for p in range(1, P):
+        a = segment(ds, p)
+        state = lowerings[aten.add.Tensor](lowerings[aten.mul.Tensor](rows(a), state), segment(hs, p))
+        decay = lowerings[aten.mul.Tensor](decay, a)
+    return state, decay

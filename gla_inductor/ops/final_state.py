@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..contract import GLACall
 from . import dispatch
+from .chunk import _first_trace
 
 __all__ = ["FINAL_STATE_ARGS", "chunk_final_state", "final_state_call"]
 
@@ -63,6 +64,7 @@ chunk_final_state = torch.library.custom_op("gla_inductor::chunk_final_state", _
 
 @chunk_final_state.register_fake
 def _chunk_final_state_fake(*args, **kwargs):
+    _first_trace()  # registers the lowerings (the package face's hook) before Inductor sees the op
     named = dict(zip(FINAL_STATE_ARGS, args), **kwargs)
     call = final_state_call(named)
     q, v = call.q, call.v
