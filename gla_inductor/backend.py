@@ -7,6 +7,7 @@ that goes wrong inside the rewrite is logged and the graph is compiled unchanged
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from . import config, cost, ops  # noqa: F401  (ops: defines chunk_fwd)
 from .cache_key import keyed
-from .recognize import RewriteResult, rewrite_graph
+from .recognize import RewriteResult, measure, rewrite_graph
 from .recognize.core.match import NearMiss
 from .recognize.gate import chunk_fwd_targets, fuse_gates
 
@@ -28,24 +29,28 @@ _listeners: list = []
 def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
     """A torch.compile backend: `torch.compile(model, backend=gla_inductor.backend)`.
 
-    `mode=` and `options=` are honored as the inductor backend honors them."""
-    result = rewrite(gm, example_inputs)
+    `mode=` and `options=` are honored as the inductor backend honors them; under max-autotune
+    the cost rule measures its decisions (``config.cost_measure``)."""
+    patches = config_patches(**kwargs)
+    result = rewrite(gm, example_inputs, patches)
     for listen in _listeners:
         listen(gm, result)
     from torch._inductor.compile_fx import compile_fx
 
     from . import lowerings  # noqa: F401  (registers the GLA ops' lowerings on first use)
 
-    return compile_fx(gm, example_inputs, config_patches=config_patches(**kwargs))
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> RewriteResult:
-    """Rewrite `gm` in place; on any internal error log it and leave `gm` unchanged."""
+def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None, patches: dict | None = None) -> RewriteResult:
+    """Rewrite `gm` in place; on any internal error log it and leave `gm` unchanged. `patches`:
+    the compile's Inductor options (``config_patches``), which say whether it runs max-autotune."""
     if not config.enabled:
         return RewriteResult()
     original = _copy(gm) if config.verify and example_inputs is not None else None
+    decide = functools.partial(_unprofitable_reason, patches=patches or {})
     try:
-        result = rewrite_graph(gm, forms=tuple(config.forms), unprofitable_reason=_unprofitable_reason)
+        result = rewrite_graph(gm, forms=tuple(config.forms), unprofitable_reason=decide)
     except Exception:
         log.warning("gla_inductor: the GLA rewrite failed; compiling the graph unchanged", exc_info=True)
         counters["gla_inductor"]["failures"] += 1
@@ -67,11 +72,44 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs: list | None = None) -> Rew
     return result
 
 
-def _unprofitable_reason(m) -> str | None:
-    """The cost rule (``gla_inductor.cost``) on a recognized instance: why the rewrite would lose,
-    or None to rewrite it."""
+def _unprofitable_reason(m, an, patches: dict) -> str | None:
+    """The cost rule on a recognized instance: why the rewrite would lose, or None to rewrite it.
+    The model (``gla_inductor.cost``) decides, or where this compile measures, the times of both
+    choices (``recognize/measure.py``); a candidate that cannot be timed goes back to the model."""
     if not config.cost_rule:
         return None
+    candidate = _candidate(m)
+    how = _measuring(patches)
+    if candidate is None or how is None or not cost.covers(candidate):
+        return None if candidate is None else cost.unprofitable_reason(candidate)
+    try:
+        t = measure.measure(an, m, patches)
+    except Exception as e:  # noqa: BLE001 - a choice not measured is the model's
+        log.warning("gla_inductor: could not time a %s-form candidate (%s); the cost model decides", m.form, e)
+        counters["gla_inductor"]["measure_failures"] += 1
+        return cost.unprofitable_reason(candidate)
+    text = f"{how}, {cost.describe(candidate)}: {t.ours_ms:.4f} ms rewritten vs {t.inductor_ms:.4f} ms"
+    if t.rewrite_wins():
+        m.note = f"rewritten: {text}"
+        return None
+    return f"left to Inductor: {text}"
+
+
+def _measuring(patches: dict) -> str | None:
+    """How this compile's cost rule is measured (the words explain prints), or None where the
+    model decides."""
+    from torch._inductor import config as inductor_config
+
+    if config.cost_measure not in ("max-autotune", "always", "never"):
+        raise ValueError(f"gla_inductor.config.cost_measure is 'max-autotune', 'always' or 'never', not "
+                         f"{config.cost_measure!r}")
+    if config.cost_measure == "max-autotune" and patches.get("max_autotune", inductor_config.max_autotune):
+        return "measured under max-autotune"
+    return "measured" if config.cost_measure == "always" else None
+
+
+def _candidate(m) -> cost.Candidate | None:
+    """What the cost rule reads of a match: sizes (symbolic ones by their hints), device, grad."""
     values = [v for v in (n.meta.get("example_value") for n in m.nodes) if isinstance(v, torch.Tensor)]
     if not values:
         return None
@@ -81,10 +119,9 @@ def _unprofitable_reason(m) -> str | None:
         return None
     # the decode lowering folds a constant scale into its template; a computed one stays an extern call
     lowered = isinstance(m.options.get("scale", 1.0), (int, float))
-    candidate = cost.Candidate(form=m.form, steps=T, batch_heads=None if B is None or H is None else B * H, K=K,
-                               V=V, device=values[0].device.type, needs_grad=any(v.requires_grad for v in values),
-                               lowered=lowered)
-    return cost.unprofitable_reason(candidate)
+    return cost.Candidate(form=m.form, steps=T, batch_heads=None if B is None or H is None else B * H, K=K, V=V,
+                          device=values[0].device.type, needs_grad=any(v.requires_grad for v in values),
+                          lowered=lowered)
 
 
 def _size_hint(size) -> int | None:

@@ -18,6 +18,12 @@ enabled: bool = True
 # (gla_inductor.cost: decoding and short steps without gradients); explain() shows the estimate.
 cost_rule: bool = True
 
+# How the cost rule decides those candidates: "max-autotune" times both choices (the rewrite and
+# Inductor's code for the user's nodes, gla_inductor/recognize/measure.py) in compiles with
+# max-autotune and asks the model in others; "always" times them in every compile; "never" asks
+# the model. A candidate that cannot be timed is decided by the model.
+cost_measure: str = "max-autotune"
+
 # Fuse a recognized gate function (logsigmoid(x) / c, log(sigmoid(x)), a * softplus(x + bias))
 # into the GLA op that reads its output, so the kernels read x (gla_inductor.gates).
 fuse_gates: bool = True

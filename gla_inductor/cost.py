@@ -27,6 +27,9 @@ the generated wrapper like Inductor's own kernels, unless ``config.decode_loweri
 On CPU the model keeps the extern op's cost: the decode op there lowers to Inductor's own code for
 the step (the decomposition), which costs what not rewriting costs, so the candidate is left to
 Inductor either way.
+
+Under max-autotune (``config.cost_measure``) the backend times the candidates this model covers
+instead of asking it (``recognize/measure.py``); the model decides those that cannot be timed.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Optional
 
 from . import config
 
-__all__ = ["Candidate", "Estimate", "estimate", "lowered", "unprofitable_reason"]
+__all__ = ["Candidate", "Estimate", "covers", "describe", "estimate", "lowered", "unprofitable_reason"]
 
 # Steps up to which a candidate counts as "short": one pass over the state dominates its work.
 SHORT_STEPS = 8
@@ -110,13 +113,22 @@ def lowered(device: str) -> bool:
     return device == "cuda" and config.decode_lowering != "extern"
 
 
+def covers(c: Candidate) -> bool:
+    """Whether the model decides `c`: short steps without gradients on a modelled device (the
+    candidates that max-autotune measures instead, ``recognize/measure.py``)."""
+    return not c.needs_grad and c.steps is not None and c.steps <= SHORT_STEPS and estimate(c) is not None
+
+
+def describe(c: Candidate) -> str:
+    return f"T = {c.steps}, B·H = {c.batch_heads}, K = {c.K}, V = {c.V} on {c.device}"
+
+
 def unprofitable_reason(c: Candidate) -> Optional[str]:
     """None where the rewrite wins (or is not modelled: long sequences, training), else why the
     candidate is left to Inductor, in the words ``explain`` prints."""
-    if c.needs_grad or c.steps is None or c.steps > SHORT_STEPS:
+    if not covers(c):
         return None
     est = estimate(c)
-    if est is None or est.rewrite_wins():
+    if est.rewrite_wins():
         return None
-    return (f"left to Inductor: T = {c.steps}, B·H = {c.batch_heads}, K = {c.K}, V = {c.V} on {c.device}, "
-            f"estimated {est.ours_ms:.3f} ms rewritten vs {est.inductor_ms:.3f} ms")
+    return f"left to Inductor: {describe(c)}, estimated {est.ours_ms:.3f} ms rewritten vs {est.inductor_ms:.3f} ms"

@@ -27,6 +27,7 @@ class MatchInfo:
     shapes: dict
     options: dict
     source: list  # "file.py:LINE  code" of the user's lines behind the match
+    note: str = ""  # the cost rule's measurement, where it timed the choice
 
     def to_dict(self) -> dict:
         return {
@@ -36,6 +37,7 @@ class MatchInfo:
             "shapes": {k: _plain(v) for k, v in self.shapes.items()},
             "options": {k: _plain(v) for k, v in self.options.items()},
             "source": [_source_dict(s) for s in self.source],
+            "note": self.note,
         }
 
 
@@ -72,6 +74,8 @@ class Report:
         ]
         if self.matches:
             lines += ["", _matches_table(self.matches)]
+            lines += [line for i, m in enumerate(self.matches) if m.note
+                      for line in textwrap.wrap(f"#{i} {m.note}", WIDTH, subsequent_indent="    ")]
         if self.near_misses:
             lines += ["", "left alone:", _near_misses_table(self.near_misses)]
         return "\n".join(lines)
@@ -85,7 +89,7 @@ def explain(fn, *args, **kwargs) -> Report:
         report.graphs += 1
         report.rewrite_seconds += result.seconds
         for m in result.matches:
-            report.matches.append(MatchInfo(m.form, m.gate, m.layout, m.shapes, m.options, m.source_lines()))
+            report.matches.append(MatchInfo(m.form, m.gate, m.layout, m.shapes, m.options, m.source_lines(), m.note))
         for n in result.near_misses:
             report.near_misses.append(NearMissInfo(n.form, n.reason, n.source_lines()))
 

@@ -12,7 +12,7 @@ compiles as if the pass were off. Gate fusion (``gate.py``) runs after, on the r
 
 The package's imports point one way, down this list:
 
-    __init__, gate.py   the pipeline and gate fusion
+    __init__, gate.py   the pipeline and gate fusion; measure.py, the cost rule's timings
     forms/              one module per form (loop, decode, parallel, chunked, chunk loop) and
                         their parts (steps, step walks, periodic proofs, decay exponents,
                         decays evaluated from positions and buffers, the
@@ -66,7 +66,7 @@ class RewriteResult:
 
 
 def rewrite_graph(gm: fx.GraphModule, forms=("chunked", "loop", "decode", "parallel", "chunk_states", "packed"),
-                  unprofitable_reason: Optional[Callable[[Match], Optional[str]]] = None) -> RewriteResult:
+                  unprofitable_reason: Optional[Callable[[Match, Analyzer], Optional[str]]] = None) -> RewriteResult:
     """Replace every proven GLA instance in `gm` by the GLA op. A match whose replacement
     fails is undone and reported as a near miss; an internal error undoes everything and
     raises (the backend logs it and compiles the graph unchanged). A match for which
@@ -106,7 +106,7 @@ def _rewrite(gm: fx.GraphModule, forms, start: float, unprofitable_reason) -> Re
     txn = Transaction(graph)
     owner: dict = {}  # each inserted node -> the match that inserted it
     for m in found:
-        why = unprofitable_reason(m) if unprofitable_reason is not None else None
+        why = unprofitable_reason(m, an) if unprofitable_reason is not None else None
         if why is not None:
             result.near_misses.append(NearMiss(m.form, why, m.nodes))
             continue

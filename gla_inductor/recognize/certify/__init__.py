@@ -7,5 +7,6 @@
     certificate      the comparison at random float64 inputs, within a memory budget
     probe            a constant decay read off one run (a guess the certificate checks)
     trial            a match applied, run against the user's nodes in float64, undone (for
-                     rewrites that keep user nodes between the op and the outputs)
+                     rewrites that keep user nodes between the op and the outputs); both
+                     sides as modules for timing (``recognize/measure.py``)
 """

@@ -22,6 +22,9 @@ user's nodes the rewrite bypasses (the [.., T, T] scores' product with v) are no
 the op of a constant gate is evaluated by chunks, not step by step. The time axis is not
 reduced: each query row is its own function (its row factor, its positions), and a prefix of T
 would certify only the rows it keeps.
+
+*Another use.* ``sides`` reads the same two modules off a match, in the code's own dtypes, for
+timing the choice between them (``recognize/measure.py``, the cost rule under max-autotune).
 """
 
 from __future__ import annotations
@@ -77,6 +80,77 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
     return CERTIFIED[key]
 
 
+def sides(an: Analyzer, match: Match):
+    """(original, rewritten, leaves): the user's nodes and the match's replacement as modules of
+    the same leaves, constants in their own dtypes, for timing both (``recognize/measure.py``);
+    else why not. Both are read off the match applied in a scratch transaction, as ``certify``
+    does: the leaves are the graph's values the replacement reads (``_sources``), the outputs the
+    values it replaces, and the user's side keeps the writes the rewrite drops (a cache's
+    write-back, which the fused op makes itself), so that both sides do the same work. Sizes may
+    be symbolic: the modules are compiled at their hints."""
+    consts: dict = {}
+    txn = Transaction(an.graph)
+    try:
+        match.apply(txn)
+        olds = list(dict.fromkeys(old for _, old, _ in txn.rewires))
+        new = {old: n for _, old, n in txn.rewires}
+        outs = [new[o] for o in olds]
+        after = _read_by(outs, set(txn.created))
+        reads = [x for n in an.graph.nodes if n in after for x in n.all_input_nodes if x not in after]
+        leaves, broadcasts = _sources(an, reads)
+        order = [n for n in an.graph.nodes if n in after or n in broadcasts]
+        rewritten = _module(an, order, leaves, outs, consts, float64=False)
+        writes = list(txn.erase)
+    finally:
+        txn.rollback_to((0, 0, 0))
+    nodes = _between(an, leaves, olds + writes, static=False)
+    if isinstance(nodes, str) or isinstance(rewritten, str):
+        return nodes if isinstance(nodes, str) else rewritten
+    original = _module(an, [n for n in an.nodes if n in nodes], leaves, olds, consts, float64=False)
+    return original if isinstance(original, str) else (original, rewritten, leaves)
+
+
+def _sources(an: Analyzer, reads: list) -> tuple:
+    """(leaves, broadcasts): the values `reads` (the graph's nodes a replacement reads), each
+    that is a broadcast of smaller values (a decay [B, H] over the state [B, H, K, V]) replaced by
+    those values and the nodes between, which both sides then compute: the user's code gets such
+    a value fused into its kernels, and a leaf would make it read a materialized copy."""
+    leaves, broadcasts = [], set()
+    for r in dict.fromkeys(x for x in reads if not _constant(an, x)):
+        walked = _broadcast_of(an, r)
+        if walked is None:
+            leaves.append(r)
+        else:
+            broadcasts |= walked[1]
+            leaves += walked[0]
+    leaves = [x for x in dict.fromkeys(leaves) if x not in broadcasts]
+    return leaves, broadcasts
+
+
+def _broadcast_of(an: Analyzer, read: fx.Node, most: int = 32):
+    """(sources, nodes): the values `read` is computed from by nodes none of whose inputs is larger
+    than the node (views, broadcasts, elementwise ops; at most `most` nodes), where every source
+    is smaller than `read`; else None."""
+    def numel(n: fx.Node):  # (None for other values and symbolic sizes: those stop the walk)
+        return _numel(n) if isinstance(example_value(n), torch.Tensor) else None
+
+    size, nodes, sources, stack = numel(read), set(), [], [read]
+    while stack and size:
+        x = stack.pop()
+        ins = [i for i in x.all_input_nodes if not _constant(an, i)]
+        sizes = [numel(i) for i in ins]
+        if x.op in ("call_function", "call_method") and ins and None not in sizes and max(sizes) <= numel(x):
+            if len(nodes) == most:
+                return None
+            nodes.add(x)
+            stack += [i for i in ins if i not in nodes]
+        elif numel(x) is None or numel(x) >= size:
+            return None
+        else:
+            sources.append(x)
+    return (sources, nodes) if sources and size else None
+
+
 def _run(original: fx.GraphModule, rewritten: fx.GraphModule, leaves: list, layout: str) -> Optional[str]:
     """The certificate at fewer batches and heads where both modules are proven to treat them
     alike (``shrink.py``'s table), else at full size; None where it holds."""
@@ -120,9 +194,9 @@ def _key(gm: fx.GraphModule, digests: dict) -> tuple:
     return tuple(rows), tuple(digests[id(b)] for b in gm.buffers())
 
 
-def _between(an: Analyzer, leaves: list, outputs: list):
+def _between(an: Analyzer, leaves: list, outputs: list, static: bool = True):
     """The nodes from the leaves to the outputs, or why they are not a function of the leaves
-    and constants alone."""
+    and constants alone (or, with `static`, not all of static sizes)."""
     found, stack = set(), list(outputs)
     while stack:
         n = stack.pop()
@@ -130,7 +204,7 @@ def _between(an: Analyzer, leaves: list, outputs: list):
             continue
         if n.op not in ("call_function", "call_method"):
             return f"the subgraph reads {n.name}, neither an input of the op nor a constant"
-        if _numel(n) is None:
+        if static and _numel(n) is None:
             return f"{n.name} has symbolic sizes (the float64 certificate runs at static sizes)"
         found.add(n)
         stack += n.all_input_nodes
@@ -148,9 +222,10 @@ def _numel(n: fx.Node):
     return 0 if isinstance(val, (int, float, bool, torch.dtype, torch.device, tuple, list)) else None
 
 
-def _module(an: Analyzer, order: list, leaves: list, outputs: list, consts: dict):
+def _module(an: Analyzer, order: list, leaves: list, outputs: list, consts: dict, float64: bool = True):
     """The nodes `order` as a module of the leaves, the constants they read as buffers (in
-    `consts`: node -> its float64 value, shared by the modules of one certificate)."""
+    `consts`: node -> its float64 value, or its own with `float64` False, shared by the modules
+    of one certificate)."""
     g, root, env = fx.Graph(), torch.nn.Module(), {}
     for p, leaf in enumerate(leaves):
         env[leaf] = g.placeholder(f"leaf{p}")
@@ -161,7 +236,7 @@ def _module(an: Analyzer, order: list, leaves: list, outputs: list, consts: dict
                 val = an.consts.evaluate(x) if an.consts.is_const(x) else an.consts.evaluate_static(x)
                 if val is None:
                     raise LookupError(x.name)
-                consts[x] = val.double() if val.is_floating_point() else val
+                consts[x] = val.double() if float64 and val.is_floating_point() else val
             name = f"c{len(root._buffers)}"
             root.register_buffer(name, consts[x])
             env[x] = g.get_attr(name)

@@ -23,6 +23,7 @@ class Match:
     apply: Callable  # apply(graph) -> None; inserts the GLA op and rewires
     options: dict = field(default_factory=dict)  # reverse, initial_state, scale
     covers: set = field(default_factory=set)  # further nodes the replacement makes dead
+    note: str = ""  # how the cost rule decided to rewrite it, where it measured (explain prints it)
 
     def __post_init__(self) -> None:
         self.layout = role_layout(self.layout)
