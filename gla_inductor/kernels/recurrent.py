@@ -24,7 +24,7 @@ from ..contract import GLACall
 from .configs import MAX_GRID_YZ, interpreting, pow2
 from .standalone import OUT, needs_int64, render
 
-__all__ = ["RecurrentConfig", "default_recurrent_config", "forward", "recurrent_grid", "recurrent_options",
+__all__ = ["RecurrentConfig", "default_recurrent_config", "forward", "keys_contiguous", "recurrent_grid", "recurrent_options",
            "unsupported_reason"]
 
 MAX_K = 256  # every program holds whole key rows: a [K, BV] fp32 state tile in registers
@@ -40,9 +40,11 @@ class RecurrentConfig:
     block_v: int
     num_warps: int
     num_stages: int = 1
+    early_state: bool = False  # the final state stored before the last step's output (EARLY_HT)
 
 
-def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.device) -> RecurrentConfig:
+def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.device,
+                             state_dtype: torch.dtype = torch.float32, keys_contiguous: bool = False) -> RecurrentConfig:
     """Value tile and warps for a bandwidth-bound pass over the state.
 
     A program's [BK, BV] fp32 state tile has about 8192 elements, 64 per thread over 4 warps, with
@@ -51,15 +53,33 @@ def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.devic
     (benchmarks/results/h100-2026-11-22-decode.md). The tile
     narrows while B * H * cdiv(V, BV) programs leave fewer than ~4 per SM (a program loads its whole
     tile, then computes, then stores: bandwidth needs other programs' loads in flight meanwhile).
+
+    The state's layout and dtype move the optimum (tile sweep of decoding into a pool, B = 64 and
+    256, H = 32, K = V = 128, benchmarks/results/h200-2026-11-27-pool-tiles.md): a state whose keys
+    are contiguous (a V-first pool [P, H, V, K], read as its transpose) reduces over K within a
+    warp, and value tiles of 16 with one warp came closest to the copy floor (fp32: 88 -> 93%); a
+    16-bit state moves half the bytes per tile, and halved value tiles with the final state stored
+    before the output's reduction (the writes then overlap it) did best (bf16: 56 -> 66%; V-first
+    65 -> 84%), where for fp32 the early store lost (88 -> 77%).
     """
+    half = state_dtype.itemsize == 2
+    if keys_contiguous:
+        return RecurrentConfig(block_v=16, num_warps=1, early_state=half)
     BK = max(16, pow2(K))
     block_v = min(max(16, pow2(V)), max(32, min(64, 8192 // BK)))
+    if half:
+        block_v = max(16, block_v // 2)
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while block_v > 16 and B * H * -(-V // block_v) < 4 * sms:
             block_v //= 2
     num_warps = min(8, max(1, BK * block_v // 2048))
-    return RecurrentConfig(block_v=block_v, num_warps=num_warps)
+    return RecurrentConfig(block_v=block_v, num_warps=num_warps, early_state=half)
+
+
+def keys_contiguous(stride) -> bool:
+    """Whether a [.., K, V] state's strides make its keys the contiguous axis (a V-first pool)."""
+    return stride[-2] == 1 and stride[-1] != 1
 
 
 def recurrent_grid(B: int, H: int, V: int, block_v: int) -> tuple[int, int]:
@@ -99,10 +119,12 @@ def unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Opt
 
 
 def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *, block_v: int, use_h0: bool,
-                      store_ht: bool, group: int = 1, use_indices: bool = False, ht_is_h0: bool = False) -> dict:
+                      store_ht: bool, group: int = 1, use_indices: bool = False, ht_is_h0: bool = False,
+                      early_ht: bool = False) -> dict:
     """The template's options (jinja variables and constexprs); ``gate`` as ``GLACall.gate_kind``;
     ``group`` the heads of v per head of q and k; ``use_indices``: the states are slots of a pool;
-    ``ht_is_h0``: the final state overwrites the initial one, passed once (Inductor's lowering)."""
+    ``ht_is_h0``: the final state overwrites the initial one, passed once (Inductor's lowering);
+    ``early_ht``: the final state is stored before the last step's output (``RecurrentConfig``)."""
     return dict(
         BK=max(16, pow2(K)),
         BV=block_v,
@@ -117,6 +139,7 @@ def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *,
         SCALE=float(scale),
         GROUP=int(group),
         USE_INDICES=bool(use_indices),
+        EARLY_HT=bool(early_ht),
     )
 
 
@@ -146,10 +169,12 @@ def forward(call: GLACall, state_out: Optional[Tensor], config: Optional[Recurre
         if state_out is not None:
             state_out.copy_(call.initial_state if call.initial_state is not None else torch.zeros_like(state_out))
         return o
-    cfg = config or default_recurrent_config(B, H, K, V, q.device)
+    state = call.initial_state if call.initial_state is not None else state_out
+    cfg = config or (default_recurrent_config(B, H, K, V, q.device) if state is None else
+                     default_recurrent_config(B, H, K, V, q.device, state.dtype, keys_contiguous(state.stride())))
     options = recurrent_options(K, V, call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
                                 use_h0=call.initial_state is not None, store_ht=state_out is not None,
-                                group=call.group_size, use_indices=indices is not None)
+                                group=call.group_size, use_indices=indices is not None, early_ht=cfg.early_state)
     tensors = {"q": q, "k": call.k, "v": v, "g": call.g, "g_gamma": call.g_gamma, "h0": call.initial_state,
                "ht": state_out, "idx": indices}
     present = {n: t for n, t in tensors.items() if t is not None}

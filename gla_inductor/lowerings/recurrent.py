@@ -38,7 +38,7 @@ from torch._inductor.virtualized import V
 
 from .. import config
 from ..contract import RECURRENT_ARGS, GLACall
-from ..kernels.recurrent import default_recurrent_config, recurrent_options
+from ..kernels.recurrent import default_recurrent_config, keys_contiguous, recurrent_options
 from ..kernels.standalone import load_template
 from ..ops.dispatch import recurrent_unsupported_reason
 from .chunk import _arg_names, _layout, _meta, _static
@@ -192,10 +192,12 @@ def _template(call: GLACall):
     device = q.get_device()
     hint = V.graph.sizevars.optimization_hint
     K, Vd = _specialized(K), _specialized(Vd)
-    cfg = default_recurrent_config(hint(B), hint(H), K, Vd, device)
+    h0 = tensors["h0"]
+    cfg = default_recurrent_config(hint(B), hint(H), K, Vd, device, h0.get_dtype(),
+                                   keys_contiguous([hint(x) for x in h0.get_stride()]))
     options = recurrent_options(K, Vd, call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
                                 use_h0=True, store_ht=True, group=_group(call),
-                                use_indices=call.state_indices is not None, ht_is_h0=True)
+                                use_indices=call.state_indices is not None, ht_is_h0=True, early_ht=cfg.early_state)
     names = _arg_names(RECURRENT, options, tensors)
     nodes = [tensors[n] for n in names]
     layout = _layout(device, _output_dtype(call), (B, T, H, Vd))

@@ -212,6 +212,19 @@ def test_default_config_tiles():
             block_v=block_v, num_warps=num_warps), (K, V)
 
 
+def test_default_config_by_state_layout_and_dtype():
+    """Keys contiguous (a V-first pool read as its transpose): value tiles of 16, one warp; 16-bit
+    states: halved value tiles, the final state stored before the output (measured on an H200)."""
+    cpu = torch.device("cpu")
+    Config = krecurrent.RecurrentConfig
+    assert krecurrent.default_recurrent_config(64, 32, 128, 128, cpu, torch.float32, True) == Config(16, 1)
+    assert krecurrent.default_recurrent_config(64, 32, 128, 128, cpu, torch.bfloat16, True) == Config(
+        16, 1, early_state=True)
+    assert krecurrent.default_recurrent_config(64, 32, 128, 128, cpu, torch.bfloat16) == Config(32, 2, early_state=True)
+    pool = torch.zeros(8, 2, 128, 64).transpose(-1, -2)  # [P, H, V, K] memory as [P, H, K, V]
+    assert krecurrent.keys_contiguous(pool.stride()) and not krecurrent.keys_contiguous(pool.contiguous().stride())
+
+
 # ----------------------------------------------------------------------------------------------
 # the op: CPU implementation, CUDA dispatch, registration
 # ----------------------------------------------------------------------------------------------
