@@ -111,11 +111,22 @@ def _merge(x: Tensor, n: int) -> Tensor:
     return x.unflatten(0, (n, -1)).transpose(0, 1).flatten(1, 2)
 
 
+def _gathered(x: Tensor, group, world: int) -> Tensor:
+    """x of every rank, [world, x.numel()]. Eager calls get an AsyncCollectiveTensor back, whose
+    views stay that subclass: every later op on them would pass through its Python dispatch (tens of
+    microseconds each, most of the eager step's host time); waited for here, the scans run on a
+    plain tensor. Traced code gets a plain tensor and its wait already."""
+    gathered = _all_gather(x, 0, group)
+    if isinstance(gathered, funcol.AsyncCollectiveTensor):
+        gathered = gathered.wait()
+    return gathered.view(world, -1)
+
+
 def _gather_states(S: Tensor, D: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:
     """All-gather every rank's (S, D) (states, decays), packed into one buffer: [world, *S.shape],
     [world, *D.shape]. No autograd: the two-pass Function has its own backward."""
     parts = [S.flatten()] + ([] if D is None else [D.expand(S.shape[:2] + D.shape[2:]).flatten()])
-    gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
+    gathered = _gathered(torch.cat(parts), group, world)
     S_all = gathered[:, : S.numel()].view(world, *S.shape)
     if D is None:
         return S_all, None
@@ -322,7 +333,7 @@ def _gather_grads(dh_loc: Tensor, dht: Optional[Tensor], group, world: int) -> t
     """All-gather every rank's (entering-state gradients, final-state gradient) in one buffer:
     [world, *dh_loc.shape], [world, *dht.shape] (None without a final state: half the bytes)."""
     parts = [dh_loc.flatten()] + ([] if dht is None else [dht.flatten()])
-    gathered = _all_gather(torch.cat(parts), 0, group).view(world, -1)
+    gathered = _gathered(torch.cat(parts), group, world)
     n = dh_loc.numel()
     dh_all = gathered[:, :n].view(world, *dh_loc.shape)
     return dh_all, (None if dht is None else gathered[:, n:].view(world, *dht.shape))

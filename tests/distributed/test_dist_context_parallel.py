@@ -215,6 +215,28 @@ def compiled_inductor(ctx):
     return errors
 
 
+def eager_scans_on_plain_tensors(ctx):
+    """Eager calls wait for each all-gather at once: the scans over the gathered states and their
+    gradients run on plain tensors, not through AsyncCollectiveTensor's Python dispatch, which
+    views of an unwaited result keep (it was most of the eager step's host time)."""
+    import torch.distributed._functional_collectives as funcol
+
+    original = funcol.AsyncCollectiveTensor.__dict__["__torch_dispatch__"]
+    dispatched = []
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        dispatched.append(str(func))
+        return original.__func__(cls, func, types, args, kwargs)
+
+    funcol.AsyncCollectiveTensor.__torch_dispatch__ = classmethod(counting)
+    try:
+        errors = _cp_errors(ctx, "vector", G=2)  # eager: fn None
+    finally:
+        funcol.AsyncCollectiveTensor.__torch_dispatch__ = original
+    assert not dispatched, dispatched[:5]
+    return errors
+
+
 def compiled_gla_backend(ctx):
     """fullgraph compile through gla_inductor.backend, forward and backward."""
     import gla_inductor
@@ -254,7 +276,7 @@ def error_bad_layouts(ctx):
 
 
 CHECKS_2 = [*CASE_CHECKS, uneven_slices, outputs_only, dtensor_sequence, error_bad_layouts, compiled_inductor,
-            compiled_gla_backend]
+            compiled_gla_backend, eager_scans_on_plain_tensors]
 CHECKS_4 = [CASE_CHECKS[0], CASE_CHECKS[3], CASE_CHECKS[11], uneven_slices, dtensor_sequence,
             dtensor_sequence_and_heads]
 
