@@ -24,8 +24,8 @@ from ..contract import GLACall
 from .configs import MAX_GRID_YZ, interpreting, pow2
 from .standalone import OUT, needs_int64, render
 
-__all__ = ["RecurrentConfig", "default_recurrent_config", "forward", "keys_contiguous", "recurrent_grid", "recurrent_options",
-           "unsupported_reason"]
+__all__ = ["RecurrentConfig", "default_recurrent_config", "forward", "keys_contiguous", "recurrent_grid",
+           "recurrent_options", "unsupported_reason"]
 
 MAX_K = 256  # every program holds whole key rows: a [K, BV] fp32 state tile in registers
 MAX_V = 512
@@ -44,7 +44,8 @@ class RecurrentConfig:
 
 
 def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.device,
-                             state_dtype: torch.dtype = torch.float32, keys_contiguous: bool = False) -> RecurrentConfig:
+                             state_dtype: torch.dtype = torch.float32,
+                             keys_contiguous: bool = False) -> RecurrentConfig:
     """Value tile and warps for a bandwidth-bound pass over the state.
 
     A program's [BK, BV] fp32 state tile has about 8192 elements, 64 per thread over 4 warps, with

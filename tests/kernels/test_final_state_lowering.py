@@ -15,7 +15,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 INTERPRETED = type(triton.language.cumsum).__name__ == "InterpretedFunction"
 pytestmark = [pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs a GPU or TRITON_INTERPRET=1"),
-              pytest.mark.usefixtures("inductor_triton", "one_thread")]
+              pytest.mark.usefixtures("inductor_triton", "one_thread"), pytest.mark.compat]
 
 SEGSUM_KERNEL = "GLA segment sums"  # a comment the template leaves in its kernel's source
 EXTERN_CALL = "torch.ops.gla_inductor.chunk_final_state.default("
