@@ -111,11 +111,14 @@ def test_varlen_cpu(capsys):
 def test_cp_scaling_tables_and_process_environment(monkeypatch):
     from benchmarks import cp_scaling
 
-    rows = [{"world": 1, "T_per_rank": 8, "step_ms": 4.0, "comm_alone_ms": 0.0, "comm_in_step_ms": 0.0},
-            {"world": 2, "T_per_rank": 4, "step_ms": 2.5, "comm_alone_ms": 0.1, "comm_in_step_ms": 0.2}]
+    rows = [{"world": 1, "T_per_rank": 8, "step_ms": 4.0, "steady_ms": 3.8, "comm_alone_ms": 0.0,
+             "comm_in_step_ms": 0.0},
+            {"world": 2, "T_per_rank": 4, "step_ms": 2.5, "steady_ms": 2.0, "comm_alone_ms": 0.1,
+             "comm_in_step_ms": 0.2}]
     text = cp_scaling.cp_table(rows)
     assert rows[1]["speedup"] == pytest.approx(1.6) and rows[1]["comm_in_step_share"] == pytest.approx(0.08)
-    assert "1.60" in text
+    assert rows[1]["steady_speedup"] == pytest.approx(1.9)
+    assert "1.60" in text and "1.90" in text
     assert harness.PROCESS_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
