@@ -26,7 +26,7 @@ from ..impl.final_state import fold
 from . import chunk
 from .configs import ChunkConfig, TileConfig, pow2
 
-__all__ = ["final_state", "segments", "tiles"]
+__all__ = ["final_state", "launch_plan", "segments", "tiles"]
 
 
 def segments(programs: int, NT: int, sms: int, per_sm: int = 2) -> int:
@@ -60,6 +60,20 @@ def tiles(cfg: ChunkConfig, K: int, V: int, x_dtype: torch.dtype, v_dtype: torch
     return TileConfig(block_v=block_v, num_warps=4, num_stages=2), 2
 
 
+def launch_plan(cfg: ChunkConfig, N: int, T: int, H: int, K: int, V: int, x_dtype: torch.dtype,
+                v_dtype: torch.dtype, vector_gate_dtype: Optional[torch.dtype], device: torch.device,
+                own_tiles: bool = True) -> tuple[ChunkConfig, int]:
+    """(the config with the pass's tile, ``tiles``, unless ``own_tiles`` is off; its segments P) for N
+    sequences of T steps: what the eager launch and the Inductor lowering both run."""
+    per_sm = 2
+    if own_tiles:
+        tile, per_sm = tiles(cfg, K, V, x_dtype, v_dtype, vector_gate_dtype)
+        cfg = dataclasses.replace(cfg, segsum=tile)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    P = segments(N * H * math.ceil(V / cfg.segsum.block_v), math.ceil(T / cfg.block_t), sms, per_sm)
+    return cfg, P
+
+
 def final_state(call: GLACall, do: Optional[Tensor] = None, config: Optional[ChunkConfig] = None,
                 num_segments: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """(state [B, H, K, V] fp32, decay [B, H, K] (vector gate), [B, H] (scalar, constant) fp32 or an
@@ -74,16 +88,8 @@ def final_state(call: GLACall, do: Optional[Tensor] = None, config: Optional[Chu
     if T == 0:
         decay = x.new_ones((B, H, K) if call.gate_kind == "vector" else (B, H), dtype=torch.float32)
         return x.new_zeros(B, H, K, V, dtype=torch.float32), decay if gated else x.new_empty(0, dtype=torch.float32)
-    NT = math.ceil(T / cfg.block_t)
-    if config is None:
-        gate_dtype = call.g.dtype if call.gate_kind == "vector" else None
-        tile, per_sm = tiles(cfg, K, V, x.dtype, v.dtype, gate_dtype)
-        cfg = dataclasses.replace(cfg, segsum=tile)
-    else:
-        per_sm = 2
-    P = num_segments
-    if P is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        P = segments(B * H * math.ceil(V / cfg.segsum.block_v), NT, sms, per_sm)
+    gate_dtype = call.g.dtype if call.gate_kind == "vector" else None
+    cfg, P = launch_plan(cfg, B, T, H, K, V, x.dtype, v.dtype, gate_dtype, x.device, own_tiles=config is None)
+    P = num_segments or P
     hs, ds = chunk._Launcher(cfg, call).scan_segment_sums(x, v, dual, P)
     return fold(hs, ds)

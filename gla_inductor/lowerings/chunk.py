@@ -507,13 +507,10 @@ def chunk_final_state(*args, **kwargs):
     plan = _Plan(call, dtype)
     x, w = (q, do) if dual else (k, v)
     vector = call.gate_kind == "vector"
-    tile, per_sm = final_state_kernels.tiles(plan.cfg, int(plan.K), int(plan.V), dtype, dtype,
-                                             call.g.get_dtype() if vector else None)
-    plan.cfg = dataclasses.replace(plan.cfg, segsum=tile)
     hint = V.graph.sizevars.optimization_hint
-    sms = torch.cuda.get_device_properties(plan.device).multi_processor_count if plan.device.type == "cuda" else 1
-    P = final_state_kernels.segments(hint(plan.N * plan.H) * -(-int(plan.V) // tile.block_v),
-                                     -(-hint(plan.T) // plan.cfg.block_t), sms, per_sm)
+    plan.cfg, P = final_state_kernels.launch_plan(plan.cfg, hint(plan.N), hint(plan.T), hint(plan.H), int(plan.K),
+                                                  int(plan.V), dtype, dtype, call.g.get_dtype() if vector else None,
+                                                  plan.device)
     hs, ds = plan.scan_segment_sums(x, w, dual, P)
     return _fold(hs, ds, P, vector, plan.device)
 
