@@ -209,6 +209,20 @@ def rewrite_then_eager(gm, example_inputs):
     return gm.forward
 
 
+def assert_rewritten_like_eager(fn, args: list, rewrites: int, tol: float) -> None:
+    """fn compiled through the rewrite (rewrite_then_eager) against float64 eager, without grad: the
+    outputs and the inputs as each left them within tol, no pass failure, `rewrites` rewrites."""
+    eager_args = [a.double() for a in args]
+    compiled_args = [a.clone() for a in args]
+    with torch.no_grad():
+        want = outputs(fn(*eager_args))
+        got = outputs(torch.compile(fn, backend=rewrite_then_eager, fullgraph=True)(*compiled_args))
+    assert counters["gla_inductor"]["failures"] == 0
+    for w, g in zip(want + eager_args, got + compiled_args):  # the outputs, and the inputs as left
+        assert rel_err(g, w) <= tol
+    assert counters["gla_inductor"]["rewrites"] == rewrites
+
+
 def compile_rewritten(fn, args, **compile_kw):
     """(outputs, rewrite results) of fn compiled with rewrite_then_eager's rewrite."""
     results = []

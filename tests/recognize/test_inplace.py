@@ -14,9 +14,8 @@ steps' outputs not compared for scale and layout."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
-from helpers import outputs, rel_err, rewrite_then_eager
+from helpers import assert_rewritten_like_eager
 
 B, H, T, K, V = 2, 2, 5, 3, 4
 TOL = 1e-5
@@ -338,12 +337,4 @@ CASES = [
 @pytest.mark.parametrize("fn,make,rewrites", CASES, ids=[c[0].__name__ for c in CASES])
 def test_compiled_equals_eager(fn, make, rewrites):
     args = make()
-    eager_args = [a.double() for a in args]
-    compiled_args = [a.clone() for a in args]
-    with torch.no_grad():
-        want = outputs(fn(*eager_args))
-        got = outputs(torch.compile(fn, backend=rewrite_then_eager, fullgraph=True)(*compiled_args))
-    assert counters["gla_inductor"]["failures"] == 0
-    for w, g in zip(want + eager_args, got + compiled_args):  # the outputs, and the inputs as left
-        assert rel_err(g, w) <= TOL
-    assert counters["gla_inductor"]["rewrites"] == rewrites
+    assert_rewritten_like_eager(fn, args, rewrites, TOL)

@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
 from gla_inductor.recognize.core.local_updates import functionalize
-from helpers import outputs, rel_err, rewrite_then_eager
+from helpers import assert_rewritten_like_eager
 
 B, H, T, K, V = 2, 2, 6, 3, 4
 
@@ -84,15 +83,7 @@ CASES = [(augmented, 1), (methods, 1), (view_read_after_write, 0), (input_state,
 @pytest.mark.parametrize("fn,rewrites", CASES, ids=[c[0].__name__ for c in CASES])
 def test_compiled_equals_eager(fn, rewrites):
     args = inputs() + ([torch.randn(B, H, K, V)] if fn is input_state else [])
-    eager_args = [a.double() for a in args]
-    compiled_args = [a.clone() for a in args]
-    with torch.no_grad():
-        want = outputs(fn(*eager_args))
-        got = outputs(torch.compile(fn, backend=rewrite_then_eager, fullgraph=True)(*compiled_args))
-    assert counters["gla_inductor"]["failures"] == 0
-    for w, g in zip(want + eager_args, got + compiled_args):  # the outputs, and the inputs as left
-        assert rel_err(g, w) <= 1e-5
-    assert counters["gla_inductor"]["rewrites"] == rewrites
+    assert_rewritten_like_eager(fn, args, rewrites, 1e-5)
 
 
 def test_only_qualifying_tensors_are_functionalized():
