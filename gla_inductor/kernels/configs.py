@@ -19,8 +19,7 @@ from ..gates import GateFn
 __all__ = [
     "ChunkConfig", "TileConfig", "carry_options", "default_config", "dqkg_block_k", "faulting_tile",
     "kernel_options", "local_options", "local_terms", "scan_options", "scan_segments", "segment_decays_shape",
-    "segsum_options",
-    "unsupported_reason",
+    "segsum_options", "unsupported_reason", "walk_segments",
 ]
 
 MAX_K = 256  # the scans hold whole key rows ([BT, K] tiles and the [K, BV] state) on chip
@@ -208,6 +207,16 @@ def local_terms(options: dict, B, T, H, K, NT, block_t: int) -> dict:
                 dl=dl if gated else None)
 
 
+def walk_segments(programs: int, NT: int, slots: int, most: int = 16) -> int:
+    """Segments P of a walk over NT chunks (a power of two, at most ``most``): doubled while twice as
+    many segments of ``programs`` programs each still fit in ``slots`` and every segment keeps at
+    least 4 chunks. The rules below choose the slots and when to cut at all."""
+    segments = 1
+    while segments < most and 2 * segments * programs <= slots and NT >= 8 * segments:
+        segments *= 2
+    return segments
+
+
 def carry_segments(B: int, H: int, V: int, NT: int, sms: int) -> int:
     """Segments of the carries' walks (gla_chunk_carry's SEGMENTS): where the carries' programs
     (value tiles of 64) would fill at most half the SMs, the walk is cut in up to 8 segments of at
@@ -215,11 +224,7 @@ def carry_segments(B: int, H: int, V: int, NT: int, sms: int) -> int:
     the segments' extra pass over ks and v (and each program's fold of the segments before it)
     costs more than it saves. Measured: results/h100-2026-11-23-segments.md."""
     programs = B * H * math.ceil(V / 64)
-    segments = 1
-    if 2 * programs <= sms:
-        while segments < 8 and 2 * segments * programs <= 4 * sms and NT >= 8 * segments:
-            segments *= 2
-    return segments
+    return walk_segments(programs, NT, 4 * sms, most=8) if 2 * programs <= sms else 1
 
 
 def scan_segments(B: int, H: int, V: int, block_v: int, NT: int, sms: int) -> int:
@@ -232,11 +237,7 @@ def scan_segments(B: int, H: int, V: int, block_v: int, NT: int, sms: int) -> in
     (results/h200-2026-11-27-scan-segments.md; the environment variable GLA_INDUCTOR_SCAN_SEGMENTS
     overrides it, ``env_scan_segments``)."""
     programs = B * H * math.ceil(V / block_v)
-    segments = 1
-    if 4 * programs < 3 * sms:
-        while segments < 16 and 2 * segments * programs <= 2 * sms and NT >= 8 * segments:
-            segments *= 2
-    return segments
+    return walk_segments(programs, NT, 2 * sms) if 4 * programs < 3 * sms else 1
 
 
 def terms_segments(B: int, H: int, V: int, BK: int, NT: int, sms: int) -> int:
@@ -246,12 +247,7 @@ def terms_segments(B: int, H: int, V: int, BK: int, NT: int, sms: int) -> int:
     K > 64 a third program per SM would not be resident (255 registers per thread with 4 warps) and
     more segments lost to their sums' extra pass; at K = 64 eight per SM won, their shorter walks
     overlapping over waves (results/h200-2026-11-27-terms.md)."""
-    programs = B * H * math.ceil(V / 64)
-    slots = sms * (2 if BK > 64 else 8)
-    segments = 1
-    while segments < 16 and 2 * segments * programs <= slots and NT >= 8 * segments:
-        segments *= 2
-    return segments
+    return walk_segments(B * H * math.ceil(V / 64), NT, sms * (2 if BK > 64 else 8))
 
 
 def env_scan_segments() -> Optional[tuple[int, int]]:

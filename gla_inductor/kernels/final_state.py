@@ -24,7 +24,7 @@ from torch import Tensor
 from ..contract import GLACall
 from ..impl.final_state import fold
 from . import chunk
-from .configs import ChunkConfig, TileConfig, pow2
+from .configs import ChunkConfig, TileConfig, pow2, walk_segments
 
 __all__ = ["final_state", "launch_plan", "segments", "tiles"]
 
@@ -34,10 +34,7 @@ def segments(programs: int, NT: int, sms: int, per_sm: int = 2) -> int:
     walking at least 4 chunks. A states-only walk does one dot per chunk and reads its inputs once;
     its B * H * cdiv(V, BV) programs alone would leave most SMs idle at long T and few heads, the
     shapes that context parallelism runs."""
-    P = 1
-    while P < 16 and (2 * P) * programs <= per_sm * sms and NT >= 4 * (2 * P):  # the doubled count fits
-        P *= 2
-    return P
+    return walk_segments(programs, NT, per_sm * sms)
 
 
 def tiles(cfg: ChunkConfig, K: int, V: int, x_dtype: torch.dtype, v_dtype: torch.dtype,
