@@ -114,7 +114,7 @@ def elementwise(q, k, v, g):
 def _own_code(fn):
     """fn with a copy of its code object: Dynamo keeps its compiled entries on the code object, and
     one that serves DTensor and plain calls has each call check the other's guards first."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _functions(mode: str) -> dict:
