@@ -5,6 +5,9 @@ Per world size W (spawned processes, NCCL on GPUs, gloo with ``--device cpu``): 
 [B, T, H, K] sharded over heads (``Shard(2)``), and their local parts as plain tensors. Four
 passes: eager and compiled (``torch.compile(fullgraph=True)``, default Inductor), forward (no
 grad) and forward + backward (gradients set to None before each step, as ``zero_grad`` does).
+A fifth pass compiles an elementwise function of the same inputs and output instead (``q * k + v *
+g``): what torch charges a compiled region for taking and returning DTensors (guards, the subclass
+wrappers of AOTAutograd, the gradients' accumulation), whatever the region computes.
 DTensor and plain steps alternate in rounds; each rank's median, ranks aligned by a barrier before
 every step. Columns: the step to the device's end (``ms``, the slowest rank's), the host's part
 (until the call returns, before synchronizing: where it nears ``ms`` the step waits on the host),
@@ -16,6 +19,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -24,7 +28,8 @@ import torch.nn.functional as F
 from benchmarks import harness, report
 
 CPU_SIZE = {"T": 64, "H": 4, "K": 16}
-PASSES = [("eager", "fwd"), ("eager", "fwd+bwd"), ("compiled", "fwd"), ("compiled", "fwd+bwd")]
+PASSES = [("eager", "fwd"), ("eager", "fwd+bwd"), ("compiled", "fwd"), ("compiled", "fwd+bwd"),
+          ("compiled elementwise", "fwd+bwd")]
 
 
 def add_arguments(p) -> None:
@@ -35,6 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=10, help="steps per round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of DTensor and plain steps")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="cProfile STEPS compiled fwd+bwd steps of each kind on rank 0 (W=2): the functions whose "
+                        "time per step differs most")
 
 
 def _sync(device) -> None:
@@ -99,6 +107,62 @@ def gla_o(q, k, v, g):
     return gla_inductor.chunk_gla(q, k, v, g)[0]
 
 
+def elementwise(q, k, v, g):
+    return q * k + v * g
+
+
+def _own_code(fn):
+    """fn with a copy of its code object: Dynamo keeps its compiled entries on the code object, and
+    one that serves DTensor and plain calls has each call check the other's guards first."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _functions(mode: str) -> dict:
+    """Each compiled function static and on its own code: as a program compiling one kind of call
+    once (``dynamic=False``: Dynamo keys automatic dynamic shapes by the function's file, line and
+    name, and would else mark the heads dynamic when the plain call brings H/W where the DTensor
+    call brought H, which puts symbolic sizes into the DTensor wrappers' work at run time)."""
+    if mode == "eager":
+        return {"dtensor": gla_o, "plain": gla_o}
+    fn = elementwise if mode == "compiled elementwise" else gla_o
+    return {kind: torch.compile(_own_code(fn), fullgraph=True, dynamic=False) for kind in ("dtensor", "plain")}
+
+
+def _profile(step, device, n: int) -> dict:
+    """cProfile n calls of step, the device synchronized after each (no launch then waits on a full
+    queue): per function, (calls, cumulative us, own us) per step."""
+    import cProfile
+    import pstats
+
+    def run():
+        for _ in range(n):
+            step()
+            _sync(device)
+
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    out: dict = {}
+    for (file, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        # Inductor's output code (modules named by a hash, which differs by kind) counted as one
+        where = "<Inductor output code>" if "torchinductor" in file else file.split("site-packages/")[-1]
+        before = out.get(f"{where}:{line}({fn})", (0, 0, 0))
+        out[f"{where}:{line}({fn})"] = tuple(a + b for a, b in zip(before, (calls / n, cum * 1e6 / n, own * 1e6 / n)))
+    return out
+
+
+def profile_rows(steps: dict, device, n: int, top: int = 25) -> list:
+    """Per function, each step's calls, cumulative and own us per step (``_profile``), the largest
+    differences of cumulative time first: what a DTensor step adds to the plain one."""
+    profiles = {name: _profile(step, device, n) for name, step in steps.items()}
+    fields = ("calls", "us", "self_us")
+    rows = [{"function": f, **{f"{s}_{c}": profiles[s].get(f, (0, 0, 0))[i] for s in steps
+                               for i, c in enumerate(fields)}}
+            for f in set().union(*profiles.values())]
+    for r in rows:
+        r["extra_us"], r["extra_self_us"] = r["dtensor_us"] - r["plain_us"], r["dtensor_self_us"] - r["plain_self_us"]
+    return sorted(rows, key=lambda r: -abs(r["extra_us"]))[:top]
+
+
 def rank_rows(rank, world, args, device) -> list:
     import gla_inductor.distributed  # noqa: F401  (the sharding rules and the eager route)
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
@@ -112,8 +176,7 @@ def rank_rows(rank, world, args, device) -> list:
     do_local = do_sharded.to_local().clone()
     rows = []
     for mode, pass_ in PASSES:
-        fns = ({"dtensor": torch.compile(gla_o, fullgraph=True), "plain": torch.compile(gla_o, fullgraph=True)}
-               if mode == "compiled" else {"dtensor": gla_o, "plain": gla_o})
+        fns = _functions(mode)
         backward = pass_ == "fwd+bwd"
         steps = {"dtensor": _step(fns["dtensor"], sharded, do_sharded, backward),
                  "plain": _step(fns["plain"], local, do_local, backward)}
@@ -123,6 +186,10 @@ def rank_rows(rank, world, args, device) -> list:
         dist.all_gather_object(ratios, r)
         rows.append({"world": world, "heads_per_rank": args.H // world, "mode": mode, "pass": pass_,
                      **{k: max(x[k] for x in ratios) for k in r}, "rank_ratios": [x["ratio"] for x in ratios]})
+        if args.profile and world == 2 and (mode, pass_) == ("compiled", "fwd+bwd"):
+            profiled = profile_rows(steps, device, args.profile)  # every rank: the steps hold no collective
+            if rank == 0:
+                rows.append({"profile": profiled})
     return rows
 
 
@@ -145,9 +212,12 @@ def run(args):
     for w in worlds:
         print(f"[tp-overhead] W={w}", file=sys.stderr, flush=True)
         for row in harness.run_ranks(rank_rows, w, args, bind_device=True, one_thread=True):
+            if "profile" in row:
+                result.sections.append(profile_table(row["profile"], args.profile))
+                continue
             harness.log(row)
             result.rows.append(row)
-    result.sections.append(table(result.rows))
+    result.sections.insert(0, table(result.rows))
     return result
 
 
@@ -159,3 +229,12 @@ def table(rows: list) -> str:
         ("DTensor ms", "dtensor_ms", ".3f"), ("plain ms", "plain_ms", ".3f"), ("ratio", "ratio", ".3f"),
         ("per rank", lambda r: " ".join(f"{x:.3f}" for x in r["rank_ratios"]), "s"),
         ("DTensor host ms", "dtensor_host_ms", ".3f"), ("plain host ms", "plain_host_ms", ".3f")])
+
+
+def profile_table(rows: list, n: int) -> str:
+    head = (f"cProfile of {n} compiled fwd+bwd steps of each kind on rank 0 (W = 2; the profiler slows every call): "
+            "per step, the functions whose cumulative time differs most, and the difference in their own time\n\n")
+    return head + report.table(rows, [
+        ("function", "function", "s"), ("DTensor calls", "dtensor_calls", ".1f"), ("plain calls", "plain_calls", ".1f"),
+        ("DTensor us", "dtensor_us", ".1f"), ("plain us", "plain_us", ".1f"), ("extra us", "extra_us", ".1f"),
+        ("extra self us", "extra_self_us", ".1f")])

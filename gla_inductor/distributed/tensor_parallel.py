@@ -27,7 +27,11 @@ Eager ``chunk_gla`` on DTensors already placed as their mode asks (every input S
 say) skips DTensor's dispatch and torch.library's wrappers: one autograd Function runs the local
 parts, forward and backward, and wraps the results with the placements the rules above give
 (``_LocalChunkGLA``; everything else, Replicate inputs to slice included, takes the op). Compiled
-graphs hold the ops, on the local tensors.
+graphs hold the ops, on the local tensors, and nothing of this module runs per compiled step: what
+DTensors cost there beyond plain tensors is torch's, at the compiled region's boundary, the same
+for a region of any content (guards on the specs, AOTAutograd's subclass wrappers of the outputs
+and gradients and of o's gradient, the accumulation of DTensor gradients), more where the region
+was compiled with dynamic shapes (the wrappers then compute symbolic sizes each step).
 
 The rules are registered with every non-tensor argument in DTensor's sharding cache key:
 ``register_sharding`` keys only integer arguments, and a call with ``output_final_state`` flipped
