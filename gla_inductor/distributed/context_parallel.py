@@ -19,7 +19,8 @@ against processing order gives the gradient of the state leaving each segment; o
 from the entering state with that gradient gives every input's gradient (a segment's inputs reach
 the loss only through its o and its leaving state, so this is exact). A rank's step is chunk_gla's
 forward and backward on its segments plus two passes that each read three of its [T, K]-sized
-inputs once; nothing elementwise over [T, K] besides.
+inputs once; nothing elementwise over [T, K] besides. Eager calls skip the passes whose results
+no rank reads (``_states_read``, ``_grads_read``): the end ranks of a training step run one.
 
 Eager calls on plain tensors run the Function with the ops' implementations called directly
 (``dispatch``, no torch.library wrappers). Compiled code traces the same Function into one graph
