@@ -19,8 +19,7 @@ against processing order gives the gradient of the state leaving each segment; o
 from the entering state with that gradient gives every input's gradient (a segment's inputs reach
 the loss only through its o and its leaving state, so this is exact). A rank's step is chunk_gla's
 forward and backward on its segments plus two passes that each read three of its [T, K]-sized
-inputs once; nothing elementwise over [T, K] besides. Eager calls skip the passes whose results
-no rank reads (``_states_read``, ``_grads_read``): the end ranks of a training step run one.
+inputs once; nothing elementwise over [T, K] besides.
 
 Eager calls on plain tensors run the Function with the ops' implementations called directly
 (``dispatch``, no torch.library wrappers). Compiled code traces the same Function into one graph
@@ -240,7 +239,7 @@ class _TwoPassCP(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, reverse=spec.reverse, gate=spec.fn,
                        gate_a=gate_a, gate_bias=gate_bias)
-        S, D = _final_state(call, direct=spec.direct) if _states_read(spec) else _no_state(call)
+        S, D = _final_state(call, direct=spec.direct)
         S_all, D_all = _gather_states(S, D, spec.group, spec.world)
         h0 = None if initial_state is None else initial_state.to(S.dtype)
         h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse, traced=not spec.direct)
@@ -263,7 +262,7 @@ class _TwoPassCP(torch.autograd.Function):
                        gate_bias=gate_bias)
         if do is None:
             do = v.new_zeros(v.shape, dtype=call.output_dtype)
-        dh_loc = _final_state(call, do, spec.direct)[0] if _grads_read(spec, ctx) else _no_state(call)[0]
+        dh_loc, _ = _final_state(call, do, spec.direct)
         B = h.shape[0] // len(spec.seg.own)
         if spec.output_final_state:  # every rank's call asks for it or none does
             dht = h.new_zeros(B, *h.shape[1:]) if dht is None else dht.to(h.dtype)
@@ -282,39 +281,6 @@ class _TwoPassCP(torch.autograd.Function):
         if spec.direct:
             two_pass_calls["backward"] += 1
         return None, dq, dk, dv, dg, dg_gamma, _initial_grad(ctx, dh0), da, dbias
-
-
-def _runs(spec: _Spec, which: int) -> bool:
-    """Whether this rank's only segment is the first (which = 0) or the last (which = -1) the
-    recurrence processes."""
-    processing = spec.seg.owner[::-1] if spec.reverse else spec.seg.owner
-    return len(spec.seg.own) == 1 and processing[which][0] == spec.rank
-
-
-def _states_read(spec: _Spec) -> bool:
-    """Whether this rank runs its states-only pass. Every segment's state is read but the last
-    one's, which only the final state reads: an eager call skips that pass and sends zeros, which
-    the scan folds into the final state alone. Traced code runs it on every rank: a graph without
-    it would differ from the others', and Inductor may then order its collectives (ours and any
-    other in the graph, a DTensor's reduction of a gradient, say) differently from theirs, so that
-    the ranks wait on different ones (NOTE:[CP uniform graph])."""
-    return spec.output_final_state or not spec.direct or not _runs(spec, -1)
-
-
-def _grads_read(spec: _Spec, ctx) -> bool:
-    """Whether this rank runs the dual pass: every segment's entering-state gradient is read but
-    the first one's, which only the initial state's gradient reads; skipped as ``_states_read``
-    skips, in eager calls only."""
-    return ctx.initial_state is not None or not spec.direct or not _runs(spec, 0)
-
-
-def _no_state(call: GLACall) -> tuple[Tensor, Optional[Tensor]]:
-    """Zeros shaped like ``_final_state``'s (state, decay), for a pass whose result no rank reads."""
-    B, H, K, V = call.q.shape[0], call.v.shape[2], call.q.shape[3], call.v.shape[3]
-    S = call.q.new_zeros(B, H, K, V, dtype=torch.float32)
-    if call.gate_kind == "none":
-        return S, None
-    return S, S.new_zeros(B, H, K if call.gate_kind == "vector" else 1)
 
 
 def _initial_grad(ctx, dh0: Tensor) -> Optional[Tensor]:
