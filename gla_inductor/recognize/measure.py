@@ -31,7 +31,6 @@ from torch._dynamo.utils import counters
 
 from .. import config
 from .certify import trial
-from .certify.certificate import _digest
 from .core.analyzer import Analyzer
 from .core.consts import example_value
 from .core.match import Match
@@ -78,12 +77,11 @@ def measure(an: Analyzer, match: Match, patches: dict) -> Measurement:
 
 
 def _key(original: fx.GraphModule, rewritten: fx.GraphModule, values: list, patches: dict) -> tuple:
-    digests = {id(b): _digest(b) for m in (original, rewritten) for b in m.buffers()}
     leaves = tuple((tuple(_hint(s) for s in v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor)
                    else _hint(v) for v in values)
     options = tuple(sorted((k, v) for k, v in patches.items() if isinstance(v, (bool, int, float, str))))
     ours = (config.decode_lowering, config.triton_kernels, config.cpu_kernel)
-    return trial._key(original, digests), trial._key(rewritten, digests), leaves, options, ours
+    return (*trial.pair_key(original, rewritten), leaves, options, ours)
 
 
 def _measure(original: fx.GraphModule, rewritten: fx.GraphModule, values: list, patches: dict) -> Measurement:

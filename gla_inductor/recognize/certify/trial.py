@@ -71,8 +71,7 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
         txn.rollback_to((0, 0, 0))
     if isinstance(rewritten, str) or isinstance(original, str):
         return rewritten if isinstance(rewritten, str) else original
-    digests = {id(b): _digest(b) for b in consts.values()}
-    key = (_key(original, digests), _key(rewritten, digests), tuple(tuple(example_value(x).shape) for x in leaves))
+    key = (*pair_key(original, rewritten), tuple(tuple(example_value(x).shape) for x in leaves))
     if key not in CERTIFIED:  # (the layers of a model: each the same computation on its own inputs)
         if len(CERTIFIED) > 256:
             CERTIFIED.clear()
@@ -181,6 +180,15 @@ def _read_by(outputs: list, among: set) -> set:
             found.add(n)
             stack += n.all_input_nodes
     return found
+
+
+def pair_key(original: fx.GraphModule, rewritten: fx.GraphModule) -> tuple:
+    """Equal for pairs of modules that compute the same things (``_key``): what the certificate's and
+    the measured choice's caches are keyed by. Each constant is digested once, also where both
+    modules hold it."""
+    buffers = {id(b): b for m in (original, rewritten) for b in m.buffers()}
+    digests = {i: _digest(b) for i, b in buffers.items()}
+    return _key(original, digests), _key(rewritten, digests)
 
 
 def _key(gm: fx.GraphModule, digests: dict) -> tuple:
