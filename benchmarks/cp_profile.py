@@ -1,5 +1,6 @@
 """One GPU, world of 1: context_parallel_gla's step against chunk_gla's, eager (the two-pass
-Function on the ops' implementations) and compiled (the same Function traced, fullgraph).
+Function on the ops' implementations) and compiled (the same Function traced, fullgraph), each with
+chunk_fwd and chunk_bwd cut around the exchange and with the states-only passes.
 
     PYTHONPATH=. python benchmarks/cp_profile.py [T] [--profile]       (CUDA, NCCL world of 1)
     PYTHONPATH=. python benchmarks/cp_profile.py 256 --cpu             (gloo on CPU: checks the script)
@@ -56,9 +57,19 @@ def time_ms(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
-runs = (("chunk_gla", gla_inductor.chunk_gla), ("cp_w1_eager", cp.context_parallel_gla),
-        ("cp_w1_compiled", torch.compile(cp.context_parallel_gla, fullgraph=True)))
-for name, fn in runs:
+def runs():
+    """chunk_gla, then context_parallel_gla eager and compiled, with chunk_fwd and chunk_bwd cut around
+    the exchange and with the states-only passes (gla_inductor.config.context_parallel_cut)."""
+    yield "chunk_gla", gla_inductor.chunk_gla
+    for cut in (True, False):
+        with gla_inductor.config.patch(context_parallel_cut=cut):
+            torch._dynamo.reset()  # the switch is read as the step is traced
+            way = "cut" if cut else "states_pass"
+            yield f"cp_w1_eager_{way}", cp.context_parallel_gla
+            yield f"cp_w1_compiled_{way}", torch.compile(cp.context_parallel_gla, fullgraph=True)
+
+
+for name, fn in runs():
     print(f"{name}: {time_ms(fn, 2 if cpu else 10):.2f} ms/step", flush=True)
     if profile:
         activities = [torch.profiler.ProfilerActivity.CPU] + ([] if cpu else [torch.profiler.ProfilerActivity.CUDA])

@@ -21,6 +21,10 @@ and the ranks' launch jitter is absorbed instead of waited for. The profiled ste
 ``step_ms``, inside the profiler, after its start-up (which takes a different time on every rank:
 a barrier before it would leave the first rank's collectives waiting for the others' start-up).
 
+``--states-pass`` runs each rank's states-only passes (``chunk_final_state``) before the whole ops
+instead of cutting chunk_fwd and chunk_bwd around the all-gathers (``gla_inductor.config.
+context_parallel_cut``), for the comparison.
+
 Tensor parallel (--mode tp; target: per-rank time within 1.05x of one GPU running that rank's
 heads): H heads as DTensors sharded over W ranks, ``chunk_gla`` forward + backward, against
 ``chunk_gla`` on plain tensors with H/W heads on one rank (``tp-overhead`` splits this by pass).
@@ -56,6 +60,9 @@ def add_arguments(p) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the GLA call")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--trace", default="", help="write each rank's profiled step as a Chrome trace here")
+    p.add_argument("--states-pass", action="store_true",
+                   help="run the states-only passes instead of cutting chunk_fwd and chunk_bwd around the "
+                        "exchange (gla_inductor.config.context_parallel_cut off): the comparison")
 
 
 def timed(fn, device, iters: int, warmup: int = 3) -> float:
@@ -125,6 +132,7 @@ def cp_rank(rank, world, args, device) -> dict:
     import gla_inductor
     from gla_inductor.distributed import context_parallel_gla
 
+    gla_inductor.config.context_parallel_cut = not args.states_pass
     B, H, K, V = 1, args.H, args.K, args.K
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tensors = gla_inputs(B, args.T // world, H, K, V, dtype, device, seed=rank)
@@ -215,7 +223,8 @@ def run(args):
         args.iters = 2
     result = report.new_result(f"cp-scaling-{args.mode}", f"{'Context' if args.mode == 'cp' else 'Tensor'}-parallel "
                                "scaling of GLA", args.device, mode=args.mode, T=args.T, H=args.H, K=args.K,
-                               compiled=args.compile, iters=args.iters, **harness.PROCESS_ENV)
+                               compiled=args.compile, iters=args.iters, cut=not args.states_pass,
+                               **harness.PROCESS_ENV)
     for w in worlds:
         if args.mode == "tp" and w == 1:
             continue

@@ -49,6 +49,12 @@ triton_gates: tuple = ("vector", "scalar", "constant", "none")
 # run (say, a state pool in "decompose") lowers to extern, with the reason logged.
 decode_lowering: str = "auto"
 
+# Context parallelism (gla_inductor.distributed): where the chunked kernels run the local schedule,
+# cut each rank's chunk_fwd and chunk_bwd in two around the exchange of states, the first half
+# giving the state to exchange (gla_inductor/kernels/parts.py); False: a states-only pass before
+# each whole op, which reads the rank's inputs once more.
+context_parallel_cut: bool = True
+
 # Run the ops on CPU as step loops in C++ (gla_inductor/impl/step_loop.py says why), compiled on
 # first use; False forces the chunked PyTorch implementation, which fp64 and machines without a
 # C++ compiler take anyway.

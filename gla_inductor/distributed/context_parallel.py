@@ -21,6 +21,14 @@ the loss only through its o and its leaving state, so this is exact). A rank's s
 forward and backward on its segments plus two passes that each read three of its [T, K]-sized
 inputs once; nothing elementwise over [T, K] besides.
 
+Where the kernels run the local schedule (``dispatch.chunk_parts_apply``: vector gates from K = 64),
+the two passes are not extra: chunk_fwd's own first half (gla_chunk_local's terms and the segment
+sums of its walk, ``kernels.parts``) gives S_s and exp(D_s), so ``chunk_sums`` runs it before the
+all-gather and ``chunk_fwd_from_parts`` the rest after it; the backward's dual likewise
+(``chunk_bwd_from_parts``). A rank's step is then chunk_gla's forward and backward alone.
+``config.context_parallel_cut`` switches it off. The choice depends on the head size, gate, dtype
+and device only, so every rank makes the same one (their graphs stay the same).
+
 Eager calls on plain tensors run the Function with the ops' implementations called directly
 (``dispatch``, no torch.library wrappers). Compiled code traces the same Function into one graph
 under ``torch.compile(fullgraph=True)`` (Dynamo traces its forward and backward): the ops stay ops
@@ -183,8 +191,10 @@ def _local_cp(q, k, v, g=None, g_gamma=None, initial_state=None, gate_a=None, ga
     validate_inputs(q, k, v, g, g_gamma, initial_state, api="context_parallel_gla", grouped=True)
     validate_gate(fn, q, g, gate_a, gate_bias, api="context_parallel_gla")
     direct = _direct_calls((q, k, v, g, g_gamma, initial_state, gate_a, gate_bias))
-    spec = _Spec(scale, fn, reverse, output_final_state, group, rank, world, seg, direct)
     q_, k_, v_, g_ = (_split(x, n) for x in (q, k, v, g))
+    parts = dispatch.chunk_parts_apply(GLACall(q_, k_, v_, g_, g_gamma, None, scale=scale, gate=fn, gate_a=gate_a,
+                                               gate_bias=gate_bias))
+    spec = _Spec(scale, fn, reverse, output_final_state, group, rank, world, seg, direct, parts)
     o, ht = _TwoPassCP.apply(spec, q_, k_, v_, g_, g_gamma, initial_state, gate_a, gate_bias)
     return _merge(o, n), (ht if output_final_state else None)
 
@@ -211,6 +221,7 @@ class _Spec:
     world: int
     seg: _Segments
     direct: bool  # call the ops' implementations, not the ops (``_direct_calls``)
+    parts: bool  # cut chunk_fwd and chunk_bwd around the exchange (``dispatch.chunk_parts_apply``)
 
 
 def _direct_calls(tensors) -> bool:
@@ -223,14 +234,16 @@ def _direct_calls(tensors) -> bool:
 class _TwoPassCP(torch.autograd.Function):
     """Context parallel GLA in two passes of the chunk kernels, with no elementwise work over [T, K].
 
-    forward: each segment's final state from zero and its decay (the states-only pass,
-    ``_final_state``); one all-gather; the scan gives the state entering each segment; ``chunk_fwd``
-    from that state gives o (the kernel applies the state itself).
-    backward: the gradient of each segment's o w.r.t. its entering state (the dual states-only
-    pass on q, do and the gates); one all-gather of those and of the final state's gradients; the
-    scan against processing order gives the gradient of the state leaving each segment;
-    ``chunk_bwd`` from the entering state with that gradient gives every input's gradient (a
-    segment's inputs reach the loss only through its o and its leaving state, so this is exact).
+    forward: each segment's final state from zero and its decay (``_sums``: the first half of
+    chunk_fwd, or the states-only pass); one all-gather; the scan gives the state entering each
+    segment; chunk_fwd (its second half) from that state gives o (the kernel applies the state
+    itself).
+    backward: the gradient of each segment's o w.r.t. its entering state (``_sums`` with do: the
+    first half of chunk_bwd's dual walk, or the dual states-only pass on q, do and the gates); one
+    all-gather of those and of the final state's gradients; the scan against processing order gives
+    the gradient of the state leaving each segment; chunk_bwd (its second half) from the entering
+    state with that gradient gives every input's gradient (a segment's inputs reach the loss only
+    through its o and its leaving state, so this is exact).
     Dynamo traces both (fullgraph); the backward's all-gather stays in the backward graph.
     """
 
@@ -239,11 +252,11 @@ class _TwoPassCP(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         call = GLACall(q, k, v, g, g_gamma, None, scale=spec.scale, reverse=spec.reverse, gate=spec.fn,
                        gate_a=gate_a, gate_bias=gate_bias)
-        S, D = _final_state(call, direct=spec.direct)
+        S, D, parts = _sums(call, None, spec)
         S_all, D_all = _gather_states(S, D, spec.group, spec.world)
         h0 = None if initial_state is None else initial_state.to(S.dtype)
         h, ht = _scan(S_all, D_all, h0, spec.seg, spec.reverse, traced=not spec.direct)
-        o = _chunk_fwd(call.replace(initial_state=h), spec.direct)
+        o = _chunk_fwd(call.replace(initial_state=h), parts, spec.direct)
         ctx.spec = spec
         ctx.initial_state = None if initial_state is None else (initial_state.shape, initial_state.dtype)
         ctx.save_for_backward(q, k, v, g, g_gamma, h, gate_a, gate_bias, D_all)
@@ -262,7 +275,7 @@ class _TwoPassCP(torch.autograd.Function):
                        gate_bias=gate_bias)
         if do is None:
             do = v.new_zeros(v.shape, dtype=call.output_dtype)
-        dh_loc, _ = _final_state(call, do, spec.direct)
+        dh_loc, _, parts = _sums(call, do, spec)
         B = h.shape[0] // len(spec.seg.own)
         if spec.output_final_state:  # every rank's call asks for it or none does
             dht = h.new_zeros(B, *h.shape[1:]) if dht is None else dht.to(h.dtype)
@@ -270,7 +283,7 @@ class _TwoPassCP(torch.autograd.Function):
         # each rank's use of the final state counts: its gradient is the sum of the ranks'
         dht = h.new_zeros(B, *h.shape[1:]) if dht_all is None else dht_all.sum(0)
         dht_seg, dh0 = _scan_back(dh_all, dht, D_all, spec.seg, spec.reverse, traced=not spec.direct)
-        dq, dk, dv, dg, dg_gamma, _ = _chunk_bwd(call, do, dht_seg, spec.direct)
+        dq, dk, dv, dg, dg_gamma, _ = _chunk_bwd(call, do, dht_seg, parts, spec.direct)
         da = dbias = None
         if call.fused_gate and not call.gate.input_grad:
             dg, da, dbias = gate_grads(dg, g, call.gate, gate_a, gate_bias)
@@ -297,36 +310,65 @@ def _initial_grad(ctx, dh0: Tensor) -> Optional[Tensor]:
     return dh0.to(dtype) if first else dh0.new_zeros(shape, dtype=dtype)
 
 
+def _sums(call: GLACall, do: Optional[Tensor], spec: _Spec) -> tuple[Tensor, Optional[Tensor], object]:
+    """``_final_state``'s (S, D) and the parts the rest of the segment's chunk_fwd (chunk_bwd) goes on
+    from: with ``spec.parts`` from the first half of that op itself, ``chunk_sums`` (``kernels.parts``),
+    so that no pass reads the segment's inputs only for S; else from the states-only pass, parts None."""
+    if not spec.parts:
+        return (*_final_state(call, do, spec.direct), None)
+    if spec.direct:
+        S, D, parts = dispatch.chunk_sums(call, do)
+    else:
+        S, D, *parts = torch.ops.gla_inductor.chunk_sums(*_final_state_args(call, do))
+    return S, _decay(call, D), parts
+
+
 def _final_state(call: GLACall, do: Optional[Tensor] = None, direct: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """The state a segment leaves from a zero state (do None), or the gradient of its o w.r.t. the
     state entering it (do given: scale * sum_t (q_t * exp(G_t))^T do_t, G_t the log gates from the
     segment's first processed step through t), from the states-only pass of ``chunk_final_state``
-    (no o, no dual outputs); and the segment's decay exp(D), [n * B, H, K] or [n * B, H, 1] to
-    broadcast against the states, None without a gate. Through the op unless ``direct``."""
+    (no o, no dual outputs); and the segment's decay exp(D) (``_decay``). Through the op unless
+    ``direct``."""
     if not direct:
-        fn = call.gate
-        S, D = torch.ops.gla_inductor.chunk_final_state(call.q, call.k, call.v, call.g, call.g_gamma, do, call.scale,
-                                                        call.reverse, fn.name, fn.scale, fn.lo, fn.hi, call.gate_a,
-                                                        call.gate_bias)
+        S, D = torch.ops.gla_inductor.chunk_final_state(*_final_state_args(call, do))
     else:
         S, D = dispatch.chunk_final_state(call, do)
+    return S, _decay(call, D)
+
+
+def _final_state_args(call: GLACall, do: Optional[Tensor]) -> tuple:
+    fn = call.gate
+    return (call.q, call.k, call.v, call.g, call.g_gamma, do, call.scale, call.reverse, fn.name, fn.scale, fn.lo,
+            fn.hi, call.gate_a, call.gate_bias)
+
+
+def _decay(call: GLACall, D: Optional[Tensor]) -> Optional[Tensor]:
+    """A segment's decay as the scans take it: [n * B, H, K] or [n * B, H, 1] to broadcast against
+    the states; None without a gate."""
     if call.gate_kind == "none":
-        return S, None
-    return S, (D if call.gate_kind == "vector" else D.unsqueeze(-1))
+        return None
+    return D if call.gate_kind == "vector" else D.unsqueeze(-1)
 
 
-def _chunk_fwd(call: GLACall, direct: bool) -> Tensor:
-    """o of chunk_fwd: through the op, or (``direct``) its implementation."""
-    if not direct:
-        return torch.ops.gla_inductor.chunk_fwd(*call.op_args())[0]
-    return dispatch.chunk_fwd(call)[0]
+def _chunk_fwd(call: GLACall, parts, direct: bool) -> Tensor:
+    """o of chunk_fwd, or of chunk_fwd_from_parts where ``_sums`` gave parts: through the op, or
+    (``direct``) its implementation."""
+    if parts is None:
+        return dispatch.chunk_fwd(call)[0] if direct else torch.ops.gla_inductor.chunk_fwd(*call.op_args())[0]
+    if direct:
+        return dispatch.chunk_fwd_from_parts(call, parts)[0]
+    return torch.ops.gla_inductor.chunk_fwd_from_parts(parts, *call.op_args(full=True))[0]
 
 
-def _chunk_bwd(call: GLACall, do: Tensor, dht: Tensor, direct: bool) -> tuple[Tensor, ...]:
-    """chunk_bwd: through the op, or (``direct``) its implementation."""
-    if not direct:
-        return torch.ops.gla_inductor.chunk_bwd(*call.bwd_op_args(do, dht))
-    return dispatch.chunk_bwd(call, do, dht)
+def _chunk_bwd(call: GLACall, do: Tensor, dht: Tensor, parts, direct: bool) -> tuple[Tensor, ...]:
+    """chunk_bwd, or chunk_bwd_from_parts where ``_sums`` gave parts: through the op, or
+    (``direct``) its implementation."""
+    if parts is None:
+        return dispatch.chunk_bwd(call, do, dht) if direct else torch.ops.gla_inductor.chunk_bwd(
+            *call.bwd_op_args(do, dht))
+    if direct:
+        return dispatch.chunk_bwd_from_parts(call, do, dht, parts)
+    return torch.ops.gla_inductor.chunk_bwd_from_parts(parts, *call.bwd_op_args(do, dht))
 
 
 def _gather_grads(dh_loc: Tensor, dht: Optional[Tensor], group, world: int) -> tuple[Tensor, Optional[Tensor]]:

@@ -41,7 +41,8 @@ in the offsets, and the per-chunk terms (dl, h, dh) live at the slots. Nothing r
 the host, so a packed call can be captured in a CUDA graph.
 
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
-/ ``chunk_bwd`` custom ops for a ``GLACall``. They run on CUDA tensors, and on CPU tensors under
+/ ``chunk_bwd`` custom ops for a ``GLACall``; the local schedule's may go on from its first half
+computed already (``LocalParts``, ``kernels.parts``). They run on CUDA tensors, and on CPU tensors under
 ``TRITON_INTERPRET=1``; ``configs.unsupported_reason`` says where they do not apply.
 """
 
@@ -60,7 +61,7 @@ from .configs import (ChunkConfig, TileConfig, carry_options, dqkg_block_k,
                       segment_decays_shape, segsum_options, unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
-__all__ = ["backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
+__all__ = ["LocalParts", "backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
            "varlen_state_slots"]
 
 
@@ -196,14 +197,16 @@ class _Launcher:
 
     def carry(self, out: Tensor, *, write_out: bool, dual: bool, store_states: bool, y: Tensor, v: Tensor,
               dl: Optional[Tensor], x=None, A=None, h0=None, h=None, ht=None, segments: int = 1,
-              terms: bool = False) -> None:
+              terms: bool = False, sums: Optional[tuple[Tensor, Optional[Tensor]]] = None) -> None:
         """gla_chunk_carry (see the template), on gla_chunk_local's terms, or with ``terms`` on q (x)
         and k (y) and the gate themselves (TERMS: scalar, constant and no gates); with segments > 1,
-        first the segments' sums (``segment_sums``), then the walk, both in parallel over the
-        segments."""
+        first the segments' sums (``segment_sums``, unless given as ``sums``), then the walk, both
+        in parallel over the segments."""
         tiles = self.cfg.carry
         store_ht = ht is not None and ht.numel() > 0
-        hs, ds = self.segment_sums(y, v, dl, dual, segments, terms) if segments > 1 else (None, None)
+        if sums is None and segments > 1:
+            sums = self.segment_sums(y, v, dl, dual, segments, terms)
+        hs, ds = sums or (None, None)
         options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                      use_h0=h0 is not None, store_ht=store_ht, segments=segments, terms=terms),
                        BV=tiles.block_v)
@@ -213,15 +216,16 @@ class _Launcher:
         _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
 
     def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool, segments: int,
-                     terms: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                     terms: bool = False, every: bool = False) -> tuple[Tensor, Optional[Tensor]]:
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs [B, P, H, K, V], ds [B, P, H(, K)] or None), the
-        state each of the P segments leaves from a zero start and the decay across it."""
+        state each of the P segments leaves from a zero start and the decay across it; the last
+        segment's only with ``every`` (SUMS_ALL), which the walk never reads."""
         tiles = self.cfg.carry
         hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
         ds = self._segment_decays(segments)
         tensors = dict(k=y, v=v, **self.gates, ds=ds) if terms else dict(y=y, v=v, dl=dl, ds=ds)
-        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms),
-                       BV=tiles.block_v)
+        options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms,
+                                     sums_all=every), BV=tiles.block_v)
         grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, dict(tensors, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
         return hs, ds
@@ -270,11 +274,33 @@ def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, Chu
     return call, cfg
 
 
-def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor, Tensor]:
+@dataclasses.dataclass(frozen=True)
+class LocalParts:
+    """What the local schedule computes of a forward (or backward) before its walk needs the state
+    it starts from: gla_chunk_local's terms (qs, ks, A, the scores' transpose for the backward, and
+    dl, None without a gate) and the sums of every segment of the walk on them (the forward's carry,
+    or the backward's dual carry): hs, and ds, None without a gate (``_Launcher.segment_sums``)."""
+
+    qs: Tensor
+    ks: Tensor
+    A: Tensor
+    dl: Optional[Tensor]
+    hs: Tensor
+    ds: Optional[Tensor]
+
+    @property
+    def terms(self) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        return self.qs, self.ks, self.A, self.dl
+
+
+def forward(call: GLACall, config: Optional[ChunkConfig] = None, parts: Optional[LocalParts] = None
+            ) -> tuple[Tensor, Tensor]:
     """(o [B, T, H, V] in the promoted input dtype, final state fp32 [B, H, K, V] or an empty [0]).
 
-    With a fused gate (``call.gate``), g is that function's input."""
+    With a fused gate (``call.gate``), g is that function's input. ``parts``: the local schedule's
+    terms and segment sums computed already (``kernels.parts``), under ``config``."""
     call, cfg = _prepare(call, config)
+    assert parts is None or cfg.local and cfg.segments > 1
     q, k, v, initial_state = call.q, call.k, call.v, call.initial_state
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[-1]
@@ -286,9 +312,9 @@ def forward(call: GLACall, config: Optional[ChunkConfig] = None) -> tuple[Tensor
         return o, ht
     run = _Launcher(cfg, call)
     if cfg.local:
-        qs, ks, A, dl = run.local(q, k, transpose=False)
+        qs, ks, A, dl = run.local(q, k, transpose=False) if parts is None else parts.terms
         run.carry(o, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl, h0=initial_state,
-                  ht=ht, segments=cfg.segments)
+                  ht=ht, segments=cfg.segments, sums=None if parts is None else (parts.hs, parts.ds))
     elif cfg.split:
         h = run.states()
         run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, ht=ht,
@@ -324,12 +350,13 @@ def forward_with_prefix_states(call: GLACall, interval: int, config: Optional[Ch
     return o, ht, hp
 
 
-def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[ChunkConfig] = None
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[ChunkConfig] = None,
+             parts: Optional[LocalParts] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dg_gamma, dh0), each like its input; an empty [0] where the input is None.
 
     With a fused gate, dg is the gradient w.r.t. g itself where ``gate.input_grad``, else the fp32
-    gradient w.r.t. the log gate (``gates.gate_grads`` goes on)."""
+    gradient w.r.t. the log gate (``gates.gate_grads`` goes on). ``parts``: the local schedule's
+    terms (scores transposed) and the dual walk's segment sums computed already, under ``config``."""
     q, k, v, g, g_gamma, initial_state, gate = call.q, call.k, call.v, call.g, call.g_gamma, call.initial_state, \
         call.gate
     dq, dk = (_head_grad(x, v) for x in (q, k))
@@ -341,6 +368,7 @@ def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[
     G = q.shape[2]
     q_dtype, k_dtype = q.dtype, k.dtype
     call, cfg = _prepare(call, config)
+    assert parts is None or cfg.local and cfg.segments > 1
     q, k, v = call.q, call.k, call.v
     B, T, H = v.shape[:3]
     if T == 0:
@@ -356,11 +384,11 @@ def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[
     dh = run.states()
     if cfg.local:
         # chunk-local terms once; the dual scan takes x = ks, y = qs and the scores' transpose
-        qs, ks, At, dl = run.local(q, k, transpose=True)
+        qs, ks, At, dl = run.local(q, k, transpose=True) if parts is None else parts.terms
         run.carry(h, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state,
                   segments=cfg.segments)
         run.carry(dv, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl, h0=dht, h=dh,
-                  ht=dh0, segments=cfg.segments)
+                  ht=dh0, segments=cfg.segments, sums=None if parts is None else (parts.hs, parts.ds))
         del qs, ks, At
     elif cfg.split:
         P = cfg.bwd_scan_segments

@@ -17,7 +17,7 @@ from ..contract import GLACall
 from ..gates import GateFn
 
 __all__ = [
-    "ChunkConfig", "TileConfig", "carry_options", "default_config", "dqkg_block_k", "faulting_tile",
+    "ChunkConfig", "TRITON_INSTALLED", "TileConfig", "carry_options", "default_config", "dqkg_block_k", "faulting_tile",
     "kernel_options", "local_options", "local_terms", "scan_options", "scan_segments", "segment_decays_shape",
     "segsum_options", "unsupported_reason", "walk_segments",
 ]
@@ -26,6 +26,9 @@ MAX_K = 256  # the scans hold whole key rows ([BT, K] tiles and the [K, BV] stat
 MAX_V = 512
 MAX_GRID_YZ = 65535  # CUDA limit of grid dimensions 1 and 2 (B * H, NT)
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Looked up once: the support checks also run while Dynamo traces (context parallelism decides
+# its passes there), which cannot trace importlib's lookup.
+TRITON_INSTALLED = find_spec("triton") is not None
 
 
 
@@ -169,14 +172,17 @@ def segsum_options(options: dict, *, dual: bool, segments: int) -> dict:
 
 
 def carry_options(options: dict, *, dual: bool, segments: int, segment_sums: bool = False, terms: bool = False,
-                  **mode) -> dict:
+                  sums_all: bool = False, **mode) -> dict:
     """gla_chunk_carry's options: the scan's modes (``mode``: write_out, store_states, use_h0,
-    store_ht), its segments, SEGMENT_SUMS, which takes none of the modes, and TERMS (the chunk
-    terms computed from q, k and the gate)."""
+    store_ht), its segments, SEGMENT_SUMS, which takes none of the modes (with SUMS_ALL, the last
+    segment's sums too), and TERMS (the chunk terms computed from q, k and the gate)."""
     if segment_sums:
         mode = dict(write_out=False, store_states=False, use_h0=False, store_ht=False)
-    return dict(scan_options(options, dual=dual, **mode), SEGMENTS=segments, SEGMENT_SUMS=segment_sums,
-                TERMS=terms)
+    options = dict(scan_options(options, dual=dual, **mode), SEGMENTS=segments, SEGMENT_SUMS=segment_sums,
+                   TERMS=terms)
+    if sums_all:  # only where asked: the other renders keep their sources (and compiled kernels)
+        options["SUMS_ALL"] = True
+    return options
 
 
 def segment_decays_shape(options: dict, N, segments: int, H, K) -> Optional[tuple]:
@@ -382,7 +388,7 @@ def unsupported_reason(call: GLACall) -> Optional[str]:
     tensors may be tensors or anything with their dtype, shape, dim() and device (the lowerings'
     size hints)."""
     q, v = call.q, call.v
-    if find_spec("triton") is None:
+    if not TRITON_INSTALLED:
         return "triton is not installed"
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         return f"device {q.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"

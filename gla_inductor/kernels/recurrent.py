@@ -14,14 +14,13 @@ slot indices, which it loads on the device: the launch is capturable in a CUDA g
 """
 
 from dataclasses import dataclass
-from importlib.util import find_spec
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..contract import GLACall
-from .configs import MAX_GRID_YZ, interpreting, pow2
+from .configs import MAX_GRID_YZ, TRITON_INSTALLED, interpreting, pow2
 from .standalone import OUT, needs_int64, render
 
 __all__ = ["RecurrentConfig", "default_recurrent_config", "forward", "keys_contiguous", "recurrent_grid",
@@ -97,7 +96,7 @@ def unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Opt
     """None when the kernel handles the call (from its initial state, into ``state_out``), else the
     reason to fall back."""
     q, v = call.q, call.v
-    if find_spec("triton") is None:
+    if not TRITON_INSTALLED:
         return "triton is not installed"
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         return f"device {q.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"

@@ -1,5 +1,7 @@
-"""Inductor lowerings of ``gla_inductor::chunk_fwd``, ``chunk_bwd`` and ``chunk_final_state``: the
-chunked GLA kernels as ``TritonTemplate`` choices, so compiled graphs run them as generated code
+"""Inductor lowerings of ``gla_inductor::chunk_fwd``, ``chunk_bwd``, ``chunk_final_state`` and the ops
+of a run cut around an exchange of states (``chunk_sums``, ``chunk_fwd_from_parts``,
+``chunk_bwd_from_parts``): the chunked GLA kernels as ``TritonTemplate`` choices, so compiled graphs
+run them as generated code
 (epilogues fused into the main output's store, autotuned under max-autotune) instead of an extern
 call to the eager op.
 
@@ -37,6 +39,7 @@ from torch.utils._sympy.functions import CeilDiv, FloorDiv
 
 from ..contract import CHUNK_BWD_ARGS, GLACall
 from ..kernels import final_state as final_state_kernels
+from ..kernels.parts import cut as parts_config
 from ..kernels.chunk import varlen_state_slots
 from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
                                kernel_options, local_options, local_terms, scan_options, segment_decays_shape,
@@ -44,6 +47,7 @@ from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_c
 from ..kernels.standalone import OUT, load_template, render_source
 from ..ops.dispatch import chunk_unsupported_reason
 from ..ops.final_state import FINAL_STATE_ARGS, final_state_call
+from ..ops.parts import PARTS
 
 log = logging.getLogger("gla_inductor")
 aten = torch.ops.aten
@@ -229,7 +233,7 @@ def _benchmark_inputs(gate_index: Optional[int], offsets_index: Optional[int], T
 class _Plan:
     """Sizes, tiles and shared options of one lowered forward or backward call."""
 
-    def __init__(self, call: GLACall, dtype: torch.dtype):
+    def __init__(self, call: GLACall, dtype: torch.dtype, parts: bool = False):
         q, v = call.q, call.v
         self.device = q.get_device()
         self.B, self.T, _, self.K = q.get_size()
@@ -243,6 +247,8 @@ class _Plan:
                              call.gate_kind == "vector", self.device, call.varlen)
         if call.varlen:  # no split schedule (kernels.chunk says why)
             cfg = dataclasses.replace(cfg, split=False)
+        if parts:  # a run cut around an exchange of states: the eager halves' config
+            cfg = parts_config(cfg)
         self.cfg: ChunkConfig = cfg
         interpreting = self.device.type == "cpu"  # CPU Triton runs under the interpreter only
         self.options = kernel_options(self.cfg, dtype, int(self.K), call.gate_kind, call.scale, call.reverse,
@@ -311,16 +317,18 @@ class _Plan:
         return qs, ks, A, dl
 
     def carry(self, layout, *, write_out: bool, dual: bool, store_states: bool, segments: int = 1,
-              terms: bool = False, **tensors):
+              terms: bool = False, sums=None, **tensors):
         """gla_chunk_carry on gla_chunk_local's terms, or with ``terms`` on q, k and the gate
         themselves (TERMS): returns the main output; ``h`` and ``ht`` are written. With segments > 1,
-        after the segments' sums (``segment_sums``). One tile (the eager default): its max-autotune
-        space is not explored yet."""
+        after the segments' sums (``segment_sums``, unless given as ``sums``). One tile (the eager
+        default): its max-autotune space is not explored yet."""
         extra = dict(self.gates) if terms else {}
         tensors = {n: t for n, t in {**tensors, **extra, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
-        if segments > 1:
+        if sums is None and segments > 1:
             y = tensors["k" if terms else "y"]
-            hs, ds = self.segment_sums(y, tensors["v"], tensors.get("dl"), dual, segments, terms)
+            sums = self.segment_sums(y, tensors["v"], tensors.get("dl"), dual, segments, terms)
+        if sums is not None:
+            hs, ds = sums
             tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
         options = carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
                                 use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments, terms=terms)
@@ -328,14 +336,16 @@ class _Plan:
         return self._select(CARRY, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
 
-    def segment_sums(self, y, v, dl, dual: bool, segments: int, terms: bool = False):
+    def segment_sums(self, y, v, dl, dual: bool, segments: int, terms: bool = False, every: bool = False):
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs, ds), the state each segment leaves from a zero
-        start (main output) and the decay across it (None without a gate)."""
+        start (main output) and the decay across it (None without a gate); the last segment's only
+        with ``every`` (SUMS_ALL)."""
         N, H = self.N, self.H  # the states' batch: the sequences, where packed
         ds = self._segment_decays(segments)
         named = dict(k=y, v=v, **self.gates, ds=ds) if terms else dict(y=y, v=v, dl=dl, ds=ds)
         tensors = {n: t for n, t in dict(named, cu_seqlens=self.cu_seqlens).items() if t is not None}
-        options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms)
+        options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms,
+                                sums_all=every)
         tiles = self.cfg.carry
         layout = _layout(self.device, torch.float32, (N, segments, H, self.K, self.V))
         hs = self._select(CARRY, options, tensors, layout, [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
@@ -406,17 +416,24 @@ def chunk_fwd(*args, **kwargs):
     reason = _why_not(call)
     if reason is not None:
         return _fallback(gla.chunk_fwd.default, reason, *call.op_args(full=True))
+    return _forward(call)
+
+
+def _forward(call: GLACall, parts: Optional[list] = None):
+    """chunk_fwd's templates; with ``parts`` (``chunk_sums``' outputs, ``kernels.parts``) the local
+    schedule's second half on them."""
     dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
     call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
     initial_state, output_final_state = call.initial_state, call.output_final_state
-    plan = _Plan(call, dtype)
+    plan = _Plan(call, dtype, parts=parts is not None)
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
     ht = _empty((plan.N, H, K, Vd) if output_final_state else (0,), torch.float32, plan.device)
     layout = _layout(plan.device, dtype, (B, T, H, Vd))
     if plan.cfg.local:
-        qs, ks, A, dl = plan.local(q, k, transpose=False)
+        qs, ks, A, dl, *sums = plan.local(q, k, transpose=False) if parts is None else _parts(call, parts)
         o = plan.carry(layout, write_out=True, dual=False, store_states=False, x=qs, A=A, y=ks, v=v, dl=dl,
-                       h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.segments)
+                       h0=initial_state, ht=ht if output_final_state else None, segments=plan.cfg.segments,
+                       sums=sums or None)
     elif plan.cfg.terms:
         o = plan.carry(layout, write_out=True, dual=False, store_states=False, q=q, k=k, v=v, h0=initial_state,
                        ht=ht if output_final_state else None, segments=plan.cfg.segments, terms=True)
@@ -433,13 +450,19 @@ def chunk_bwd(*args, **kwargs):
     reason = _why_not(call)
     if reason is not None:
         return _fallback(gla.chunk_bwd.default, reason, *call.bwd_op_args(named["do"], named.get("dht")))
+    return _backward(call, named["do"], named.get("dht"))
+
+
+def _backward(call: GLACall, do, dht, parts: Optional[list] = None):
+    """chunk_bwd's templates; with ``parts`` (``chunk_sums``' outputs for do, ``kernels.parts``) the
+    local schedule's second half on them."""
     # gradients keep their inputs' dtypes (the kernels convert on store)
     q_dtype, k_dtype, v_dtype = call.q.get_dtype(), call.k.get_dtype(), call.v.get_dtype()
     dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
     call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
     g, g_gamma, initial_state, gate = call.g, call.g_gamma, call.initial_state, call.gate
-    do, dht = _realize(named["do"]), _realize(named.get("dht"))
-    plan = _Plan(call, dtype)
+    do, dht = _realize(do), _realize(dht)
+    plan = _Plan(call, dtype, parts=parts is not None)
     cfg, device = plan.cfg, plan.device
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
 
@@ -451,11 +474,12 @@ def chunk_bwd(*args, **kwargs):
     # h: the state entering every chunk; then the dual scan of dS = dL/dS: dv (main output), dh (dS
     # leaving every chunk), dh0
     if cfg.local:
-        qs, ks, At, dl = plan.local(q, k, transpose=True)
+        qs, ks, At, dl, *sums = plan.local(q, k, transpose=True) if parts is None else _parts(call, parts)
         h = plan.carry(states, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state,
                        segments=cfg.segments)
         dv = plan.carry(dv_layout, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl,
-                        h0=dht, h=dh, ht=dh0 if initial_state is not None else None, segments=cfg.segments)
+                        h0=dht, h=dh, ht=dh0 if initial_state is not None else None, segments=cfg.segments,
+                        sums=sums or None)
     else:
         P = cfg.bwd_scan_segments
         h = plan.scan(states, cfg.states, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state,
@@ -513,6 +537,57 @@ def chunk_final_state(*args, **kwargs):
                                                   plan.device)
     hs, ds = plan.scan_segment_sums(x, w, dual, P)
     return _fold(hs, ds, P, vector, plan.device)
+
+
+@register_lowering(gla.chunk_sums.default, type_promotion_kind=None)
+def chunk_sums(*args, **kwargs):
+    """The first half of a forward (with do, a backward) cut around an exchange of states
+    (``kernels.parts``): gla_chunk_local and the dual or forward walk's sums of every segment, folded
+    as Inductor pointwise code; the parts go to the second half's lowering."""
+    named = dict(zip(FINAL_STATE_ARGS, args), **kwargs)
+    call = final_state_call(named)
+    reason = _why_not(call)
+    if reason is not None:
+        return _fallback(gla.chunk_sums.default, reason, *args, **kwargs)
+    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
+    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    do = _realize(named.get("do"))
+    dual = do is not None
+    plan = _Plan(call, dtype, parts=True)
+    P = plan.cfg.segments
+    qs, ks, A, dl = plan.local(q, k, transpose=dual)
+    hs, ds = plan.segment_sums(qs if dual else ks, do if dual else v, dl, dual, P, every=True)
+    S, D = _fold(hs, ds, P, call.gate_kind == "vector", plan.device)
+    empty = _empty((0,), torch.float32, plan.device)
+    return (S, D, qs, ks, A, empty if dl is None else dl, hs, empty if ds is None else ds)
+
+
+@register_lowering(gla.chunk_fwd_from_parts.default, type_promotion_kind=None)
+def chunk_fwd_from_parts(parts, *args, **kwargs):
+    call = GLACall.from_op_args(args, kwargs)
+    reason = _why_not(call)
+    if reason is not None:
+        return _fallback(gla.chunk_fwd_from_parts.default, reason, parts, *args, **kwargs)
+    return _forward(call, parts)
+
+
+@register_lowering(gla.chunk_bwd_from_parts.default, type_promotion_kind=None)
+def chunk_bwd_from_parts(parts, *args, **kwargs):
+    named = dict(zip(CHUNK_BWD_ARGS, args), **kwargs)
+    call = GLACall.from_op_args(args, kwargs, names=CHUNK_BWD_ARGS)
+    reason = _why_not(call)
+    if reason is not None:
+        return _fallback(gla.chunk_bwd_from_parts.default, reason, parts, *args, **kwargs)
+    return _backward(call, named["do"], named.get("dht"), parts)
+
+
+def _parts(call: GLACall, parts: list) -> tuple:
+    """(qs, ks, A, dl, hs, ds) of ``chunk_sums``' parts (``ops.parts.PARTS``), realized; dl and ds
+    None without a gate."""
+    named = {n: _realize(x) for n, x in zip(PARTS, parts)}
+    if call.gate_kind == "none":
+        named.update(dl=None, ds=None)
+    return tuple(named[n] for n in PARTS)
 
 
 def _fold(hs, ds, P: int, vector: bool, device):

@@ -9,7 +9,9 @@ runs the recurrent kernel on CUDA and a PyTorch time loop on CPU, on a state or,
 indices, on the slots of a state pool. ``chunk_fwd_states`` (the forward with prefix states) runs
 the forward scan on CUDA, elsewhere the forward block by block (``impl.prefix_states``).
 ``chunk_final_state`` (a run's final state, or the dual's, without outputs) runs the segment sums
-kernel on CUDA, elsewhere ``impl.final_state``. Every fallback's reason is logged once.
+kernel on CUDA, elsewhere ``impl.final_state``; ``chunk_sums`` and the ops from its parts (a run cut
+around an exchange of states) run the kernels' local schedule only (``chunk_parts_apply``). Every
+fallback's reason is logged once.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from ..gates import gate_grads
 from ..impl import chunked, final_state, prefix_states, recurrent, step_loop
 from ..kernels import chunk as chunk_kernels
 from ..kernels import final_state as final_state_kernels
+from ..kernels import parts as parts_kernels
 from ..kernels import recurrent as recurrent_kernels
 
-__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_gpu", "chunk_final_state", "chunk_final_state_gpu",
-           "chunk_fwd", "chunk_fwd_gpu", "chunk_fwd_states", "chunk_fwd_states_gpu", "chunk_unsupported_reason",
+__all__ = ["RECURRENT_MAX_T", "chunk_bwd", "chunk_bwd_from_parts", "chunk_bwd_gpu", "chunk_final_state",
+           "chunk_final_state_gpu", "chunk_fwd", "chunk_fwd_from_parts", "chunk_fwd_gpu", "chunk_fwd_states",
+           "chunk_fwd_states_gpu", "chunk_parts_apply", "chunk_sums", "chunk_unsupported_reason",
            "fused_recurrent", "fused_recurrent_gpu", "recurrent_unsupported_reason", "routes_to_recurrent"]
 
 log = logging.getLogger("gla_inductor")
@@ -174,6 +178,38 @@ def chunk_final_state_gpu(call: GLACall, do: Optional[Tensor]) -> tuple[Tensor, 
         return final_state_kernels.final_state(call, do)
     _note_fallback(reason)
     return final_state.final_state(call.with_log_gate(), do)
+
+
+def chunk_parts_apply(call: GLACall) -> bool:
+    """Whether ``chunk_sums`` and the ops from its parts run ``call``: where the chunked kernels
+    run it on their local schedule (``kernels.parts``); elsewhere context parallelism takes the
+    states-only pass and the whole ops."""
+    return config.context_parallel_cut and chunk_unsupported_reason(call) is None and parts_kernels.local(call)
+
+
+def chunk_sums(call: GLACall, do: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor], chunk_kernels.LocalParts]:
+    """(S, D, parts): the contract of the ``chunk_sums`` op (``kernels.parts.sums``)."""
+    _require_parts(call)
+    return parts_kernels.sums(call, do)
+
+
+def chunk_fwd_from_parts(call: GLACall, parts: chunk_kernels.LocalParts) -> tuple[Tensor, Tensor]:
+    """chunk_fwd's contract, on the parts ``chunk_sums`` computed for the call."""
+    _require_parts(call)
+    return chunk_kernels.forward(call, parts_kernels.config(call), parts)
+
+
+def chunk_bwd_from_parts(call: GLACall, do: Tensor, dht: Optional[Tensor], parts: chunk_kernels.LocalParts
+                         ) -> tuple[Tensor, ...]:
+    """chunk_bwd's contract, on the parts ``chunk_sums`` computed for the call and do."""
+    _require_parts(call)
+    return chunk_kernels.backward(call, do, dht, parts_kernels.config(call), parts)
+
+
+def _require_parts(call: GLACall) -> None:
+    if not chunk_parts_apply(call):
+        raise ValueError("gla_inductor: chunk_sums and the ops from its parts run the chunked kernels' local "
+                         f"schedule only (chunk_parts_apply): {chunk_unsupported_reason(call) or 'another schedule'}")
 
 
 # ----------------------------------------------------------------------------------------------

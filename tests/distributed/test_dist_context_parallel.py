@@ -275,10 +275,68 @@ def error_bad_layouts(ctx):
     return {}
 
 
+# Where the kernels run the local schedule (vector gates from K = 64; on CPU under the interpreter),
+# chunk_fwd and chunk_bwd are cut around the all-gathers (``kernels.parts``): no states-only pass.
+PARTS_SHAPE = dict(B=1, T=152, H=2, K=64, V=16)
+
+
+@contextlib.contextmanager
+def expect_parts(calls: int):
+    """Asserts that the block ran ``chunk_sums`` ``calls`` times (forward and backward) and never the
+    states-only pass."""
+    from gla_inductor.ops import dispatch
+
+    sums, states = dispatch.chunk_sums, dispatch.chunk_final_state
+    ran = []
+
+    def counting(*args):
+        ran.append(1)
+        return sums(*args)
+
+    def refusing(*args):
+        raise AssertionError("the states-only pass ran")
+
+    dispatch.chunk_sums, dispatch.chunk_final_state = counting, refusing
+    try:
+        yield
+    finally:
+        dispatch.chunk_sums, dispatch.chunk_final_state = sums, states
+    assert len(ran) == calls, f"chunk_sums ran {len(ran)} times, expected {calls}"
+
+
+def parts_vector(ctx):
+    """The cut, eager: grouped q/k, an initial and a final state, slices of two chunks."""
+    with expect_parts(2):
+        return _cp_errors(ctx, "vector", G=1, **PARTS_SHAPE)
+
+
+def parts_fused_gate_reverse(ctx):
+    """The cut, eager, reverse, head_tail: segments of one partial chunk each; a fused gate."""
+    with expect_parts(2):
+        return _cp_errors(ctx, "logsigmoid", True, "head_tail", **PARTS_SHAPE)
+
+
+def parts_compiled(ctx):
+    """The cut, fullgraph through Inductor: the ops of the two halves around each all-gather, and no
+    states-only pass, in the forward graph and in the backward graph."""
+    from gla_inductor.distributed import context_parallel_gla
+
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled = torch.compile(context_parallel_gla, backend=cases.recording_inductor(graphs), fullgraph=True)
+    errors = _cp_errors(ctx, "vector", fn=compiled, **PARTS_SHAPE)
+    order = [[str(n.target).replace("gla_inductor.", "").replace("_c10d_functional.", "").replace(".default", "")
+              for n in gm.graph.nodes if "gla_inductor" in str(n.target) or "c10d" in str(n.target)] for gm in graphs]
+    assert order == [["chunk_sums", "all_gather_into_tensor", "wait_tensor", "chunk_fwd_from_parts"],
+                     ["chunk_sums", "all_gather_into_tensor", "wait_tensor", "chunk_bwd_from_parts"]], order
+    return errors
+
+
 CHECKS_2 = [*CASE_CHECKS, uneven_slices, outputs_only, dtensor_sequence, error_bad_layouts, compiled_inductor,
-            compiled_gla_backend, eager_scans_on_plain_tensors]
+            compiled_gla_backend, eager_scans_on_plain_tensors, parts_vector, parts_fused_gate_reverse,
+            parts_compiled]
 CHECKS_4 = [CASE_CHECKS[0], CASE_CHECKS[3], CASE_CHECKS[11], uneven_slices, dtensor_sequence,
-            dtensor_sequence_and_heads]
+            dtensor_sequence_and_heads, parts_fused_gate_reverse]
 
 
 @functools.cache

@@ -7,10 +7,10 @@ distributed bf16 result. bf16 has no fixed tolerance against fp32, so the check 
 GPU: the distributed run's error (against the reference) may be at most twice the single-GPU bf16
 run's, plus a floor. Errors are relative in the 2-norm, ||x - ref|| / ||ref||, over the rank's part.
 
-Checks: ``context_parallel_gla`` on local slices (eager, vector gate, initial and final state, every
-gradient); a naive parallel form on DTensors sharded over time, and over heads, compiled with
-gla_inductor.backend (fullgraph; the rewrite must happen before anything runs: unrewritten, the
-parallel form would materialize [B, H, T, T]).
+Checks: ``context_parallel_gla`` on local slices (eager and compiled, vector gate, initial and
+final state, every gradient); a naive parallel form on DTensors sharded over time, and over heads,
+compiled with gla_inductor.backend (fullgraph; the rewrite must happen before anything runs:
+unrewritten, the parallel form would materialize [B, H, T, T]).
 
 On CPU (gloo) the same checks run at small sizes, with ``--slow`` (``test_gloo_small``: it checks
 the checks where there is no GPU).
@@ -33,10 +33,11 @@ FLOOR = 2e-3
 
 # (B, T, H, K, V) per check, by device type
 SIZES = {
-    "cuda": {"context_parallel_local": (2, 32768, 16, 128, 128), "compiled_time": (1, 8192, 16, 128, 128),
+    "cuda": {"context_parallel_local": (2, 32768, 16, 128, 128),
+             "context_parallel_compiled": (1, 16384, 16, 128, 128), "compiled_time": (1, 8192, 16, 128, 128),
              "compiled_heads": (1, 8192, 16, 128, 128)},
-    "cpu": {"context_parallel_local": (1, 64, 4, 16, 16), "compiled_time": (1, 32, 4, 16, 16),
-            "compiled_heads": (1, 32, 4, 16, 16)},
+    "cpu": {"context_parallel_local": (1, 64, 4, 16, 16), "context_parallel_compiled": (1, 64, 4, 16, 16),
+            "compiled_time": (1, 32, 4, 16, 16), "compiled_heads": (1, 32, 4, 16, 16)},
 }
 
 
@@ -105,13 +106,13 @@ def _chunk_gla(with_state: bool):
     return run
 
 
-def context_parallel_local(ctx):
+def context_parallel_local(ctx, name: str = "context_parallel_local", compiled: bool = False):
     """context_parallel_gla on this rank's contiguous slice, vector gate, initial and final state."""
     import torch.distributed as dist
 
     from gla_inductor.distributed import context_parallel_gla
 
-    tensors = _inputs(ctx, "context_parallel_local", "vector", initial_state=True)
+    tensors = _inputs(ctx, name, "vector", initial_state=True)
     w_o, w_h = _weights(ctx, tensors)
     ref_out, ref_grads = _single(_chunk_gla(True), tensors, w_o, w_h)
     one_out, one_grads = _single(_chunk_gla(True), _bf16(tensors), w_o, w_h)
@@ -121,6 +122,10 @@ def context_parallel_local(ctx):
 
     def cp(**kwargs):
         return context_parallel_gla(**kwargs, output_final_state=True)
+
+    if compiled:
+        torch._dynamo.reset()
+        cp = torch.compile(cp, fullgraph=True)
 
     out, grads = _single(cp, local, w_o[:, steps], w_h / ctx.world)
     dist.all_reduce(grads["initial_state"])  # each rank holds its share of the replicated input's gradient
@@ -133,6 +138,12 @@ def context_parallel_local(ctx):
     single = {n: norm_err(part(n, x), part(n, ref_out[n])) for n, x in one_out.items()}
     single.update({f"d{n}": norm_err(part(n, x), part(n, ref_grads[n])) for n, x in one_grads.items()})
     return _ratios(dist_errors, single)
+
+
+def context_parallel_compiled(ctx):
+    """The same, compiled (fullgraph, Inductor): on the GPU the vector gate at K = 128 takes the local
+    schedule, so the step runs chunk_fwd and chunk_bwd cut around the all-gathers (``kernels.parts``)."""
+    return context_parallel_local(ctx, "context_parallel_compiled", compiled=True)
 
 
 def parallel_form(q, k, v, g):
@@ -201,7 +212,7 @@ def compiled_heads(ctx):
     return ratios
 
 
-CHECKS = [context_parallel_local, compiled_time, compiled_heads]
+CHECKS = [context_parallel_local, context_parallel_compiled, compiled_time, compiled_heads]
 
 
 def assert_within_bounds(results: list, check: str) -> None:
