@@ -11,7 +11,9 @@ wrappers of AOTAutograd, the gradients' accumulation), whatever the region compu
 DTensor and plain steps alternate in rounds; each rank's median, ranks aligned by a barrier before
 every step. Columns: the step to the device's end (``ms``, the slowest rank's), the host's part
 (until the call returns, before synchronizing: where it nears ``ms`` the step waits on the host),
-the DTensor / plain ratio of every rank and the largest of them.
+the DTensor / plain ratio of every rank and the largest of them; and per step of ``--iters`` steps
+run back to back (one round of each kind after a barrier, as a training loop runs its steps: the
+host's extra time hides where the device's step is longer), the median round, the largest ratio.
 """
 
 from __future__ import annotations
@@ -65,19 +67,33 @@ def _samples(step, device, iters: int) -> tuple[list, list]:
     return total, host
 
 
+def _back_to_back(step, device, iters: int) -> float:
+    """ms per step of iters steps run back to back after one barrier, as a training loop runs them:
+    the host may run ahead of the device, so its own time hides wherever the device's is longer."""
+    dist.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
 def compare(steps: dict, device, iters: int, rounds: int, warmup: int = 3) -> dict:
-    """Medians of this rank's steps by name ('dtensor', 'plain'), measured in alternating rounds."""
+    """Medians of this rank's steps by name ('dtensor', 'plain'), measured in alternating rounds:
+    each step alone (``_samples``), and per step of a back-to-back round."""
     for step in steps.values():
         for _ in range(warmup):
             step()
-    samples = {name: ([], []) for name in steps}
+    samples = {name: ([], [], []) for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             total, host = _samples(step, device, iters)
             samples[name][0].extend(total)
             samples[name][1].extend(host)
+            samples[name][2].append(_back_to_back(step, device, iters))
     return {f"{name}_{kind}": statistics.median(s[i]) for name, s in samples.items()
-            for i, kind in enumerate(("ms", "host_ms"))}
+            for i, kind in enumerate(("ms", "host_ms", "steady_ms"))}
 
 
 def _inputs(B, T, H, K, dtype, device):
@@ -182,6 +198,7 @@ def rank_rows(rank, world, args, device) -> list:
                  "plain": _step(fns["plain"], local, do_local, backward)}
         r = compare(steps, device, args.iters, args.rounds)
         r["ratio"] = r["dtensor_ms"] / r["plain_ms"]
+        r["steady_ratio"] = r["dtensor_steady_ms"] / r["plain_steady_ms"]
         ratios = [None] * world
         dist.all_gather_object(ratios, r)
         rows.append({"world": world, "heads_per_rank": args.H // world, "mode": mode, "pass": pass_,
@@ -228,7 +245,9 @@ def table(rows: list) -> str:
         ("W", "world", "d"), ("heads / rank", "heads_per_rank", "d"), ("mode", "mode", "s"), ("pass", "pass", "s"),
         ("DTensor ms", "dtensor_ms", ".3f"), ("plain ms", "plain_ms", ".3f"), ("ratio", "ratio", ".3f"),
         ("per rank", lambda r: " ".join(f"{x:.3f}" for x in r["rank_ratios"]), "s"),
-        ("DTensor host ms", "dtensor_host_ms", ".3f"), ("plain host ms", "plain_host_ms", ".3f")])
+        ("DTensor host ms", "dtensor_host_ms", ".3f"), ("plain host ms", "plain_host_ms", ".3f"),
+        ("back to back: DTensor ms", "dtensor_steady_ms", ".3f"), ("plain ms ", "plain_steady_ms", ".3f"),
+        ("ratio ", "steady_ratio", ".3f")])
 
 
 def profile_table(rows: list, n: int) -> str:
