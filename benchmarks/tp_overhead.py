@@ -7,7 +7,8 @@ passes: eager and compiled (``torch.compile(fullgraph=True)``, default Inductor)
 grad) and forward + backward (gradients set to None before each step, as ``zero_grad`` does).
 A fifth pass compiles an elementwise function of the same inputs and output instead (``q * k + v *
 g``): what torch charges a compiled region for taking and returning DTensors (guards, the subclass
-wrappers of AOTAutograd, the gradients' accumulation), whatever the region computes.
+wrappers of AOTAutograd, the gradients' accumulation), whatever the region computes. ``--layers N``
+makes a step N GLA calls (each one's o the next one's v), one region as a model's layers compile.
 DTensor and plain steps alternate in rounds; each rank's median, ranks aligned by a barrier before
 every step. Columns: the step to the device's end (``ms``, the slowest rank's), the host's part
 (until the call returns, before synchronizing: where it nears ``ms`` the step waits on the host),
@@ -41,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--K", type=int, default=128, help="K = V")
     p.add_argument("--iters", type=int, default=10, help="steps per round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of DTensor and plain steps")
+    p.add_argument("--layers", type=int, default=1,
+                   help="GLA calls per step, each one's o the next one's v (one compiled region): the boundary's "
+                        "cost against more layers' work")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="cProfile STEPS compiled fwd+bwd steps of each kind on rank 0 (W=2): the functions whose "
@@ -123,6 +127,22 @@ def gla_o(q, k, v, g):
     return gla_inductor.chunk_gla(q, k, v, g)[0]
 
 
+def gla_layers(layers: int):
+    """``layers`` GLA calls in one function, each one's o the next one's v: a region of several
+    layers, whose boundary (the DTensor wrapping of its inputs, outputs and gradients) is paid once."""
+    if layers == 1:
+        return gla_o
+
+    def stack(q, k, v, g):
+        import gla_inductor
+
+        for _ in range(layers):
+            v = gla_inductor.chunk_gla(q, k, v, g)[0]
+        return v
+
+    return stack
+
+
 def elementwise(q, k, v, g):
     return q * k + v * g
 
@@ -133,14 +153,14 @@ def _own_code(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _functions(mode: str) -> dict:
+def _functions(mode: str, layers: int = 1) -> dict:
     """Each compiled function static and on its own code: as a program compiling one kind of call
     once (``dynamic=False``: Dynamo keys automatic dynamic shapes by the function's file, line and
     name, and would else mark the heads dynamic when the plain call brings H/W where the DTensor
     call brought H, which puts symbolic sizes into the DTensor wrappers' work at run time)."""
     if mode == "eager":
-        return {"dtensor": gla_o, "plain": gla_o}
-    fn = elementwise if mode == "compiled elementwise" else gla_o
+        return {"dtensor": gla_layers(layers), "plain": gla_layers(layers)}
+    fn = elementwise if mode == "compiled elementwise" else gla_layers(layers)
     return {kind: torch.compile(_own_code(fn), fullgraph=True, dynamic=False) for kind in ("dtensor", "plain")}
 
 
@@ -192,7 +212,7 @@ def rank_rows(rank, world, args, device) -> list:
     do_local = do_sharded.to_local().clone()
     rows = []
     for mode, pass_ in PASSES:
-        fns = _functions(mode)
+        fns = _functions(mode, args.layers)
         backward = pass_ == "fwd+bwd"
         steps = {"dtensor": _step(fns["dtensor"], sharded, do_sharded, backward),
                  "plain": _step(fns["plain"], local, do_local, backward)}
@@ -219,8 +239,8 @@ def run(args):
         args.iters, args.rounds = 3, 1
     worlds = [int(w) for w in args.worlds.split(",")]
     result = report.new_result("tp-overhead", "Tensor parallel over heads: DTensor call against the rank's heads",
-                               args.device, T=args.T, H=args.H, K=args.K, iters=args.iters, rounds=args.rounds,
-                               **harness.PROCESS_ENV)
+                               args.device, T=args.T, H=args.H, K=args.K, layers=args.layers, iters=args.iters,
+                               rounds=args.rounds, **harness.PROCESS_ENV)
     if args.device == "cuda":
         dropped = [w for w in worlds if w > torch.cuda.device_count()]
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
