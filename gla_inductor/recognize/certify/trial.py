@@ -29,6 +29,7 @@ timing the choice between them (``recognize/measure.py``, the cost rule under ma
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Optional
@@ -58,17 +59,13 @@ def certify(an: Analyzer, match: Match, leaves: list, outputs: list) -> Optional
         return nodes
     consts: dict = {}  # (one float64 copy of each constant for both modules, digested once)
     original = _module(an, [n for n in an.nodes if n in nodes], leaves, outputs, consts)
-    txn = Transaction(an.graph)
-    try:  # (the user's nodes are copied as they read after the rewrite: the normalizer reads the op)
-        match.apply(txn)
-        new = {old: n for _, old, n in txn.rewires}
+    # (the user's nodes are copied as they read after the rewrite: the normalizer reads the op)
+    with _applied(an, match) as (txn, new):
         if any(o not in new for o in outputs):
             return "the rewrite does not replace every output it covers"
         outs = [new[o] for o in outputs]
         after = _read_by(outs, set(txn.created) | nodes)
         rewritten = _module(an, [n for n in an.graph.nodes if n in after], leaves, outs, consts)
-    finally:
-        txn.rollback_to((0, 0, 0))
     if isinstance(rewritten, str) or isinstance(original, str):
         return rewritten if isinstance(rewritten, str) else original
     key = (*pair_key(original, rewritten), tuple(tuple(example_value(x).shape) for x in leaves))
@@ -88,11 +85,8 @@ def sides(an: Analyzer, match: Match):
     write-back, which the fused op makes itself), so that both sides do the same work. Sizes may
     be symbolic: the modules are compiled at their hints."""
     consts: dict = {}
-    txn = Transaction(an.graph)
-    try:
-        match.apply(txn)
-        olds = list(dict.fromkeys(old for _, old, _ in txn.rewires))
-        new = {old: n for _, old, n in txn.rewires}
+    with _applied(an, match) as (txn, new):
+        olds = list(new)
         outs = [new[o] for o in olds]
         after = _read_by(outs, set(txn.created))
         reads = [x for n in an.graph.nodes if n in after for x in n.all_input_nodes if x not in after]
@@ -100,13 +94,24 @@ def sides(an: Analyzer, match: Match):
         order = [n for n in an.graph.nodes if n in after or n in broadcasts]
         rewritten = _module(an, order, leaves, outs, consts, float64=False)
         writes = list(txn.erase)
-    finally:
-        txn.rollback_to((0, 0, 0))
     nodes = _between(an, leaves, olds + writes, static=False)
     if isinstance(nodes, str) or isinstance(rewritten, str):
         return nodes if isinstance(nodes, str) else rewritten
     original = _module(an, [n for n in an.nodes if n in nodes], leaves, olds, consts, float64=False)
     return original if isinstance(original, str) else (original, rewritten, leaves)
+
+
+@contextlib.contextmanager
+def _applied(an: Analyzer, match: Match):
+    """(the transaction, {replaced value: its replacement} in rewiring order) of the match applied
+    to the graph in a scratch transaction, rolled back on leaving: both trial modules are read off
+    the rewritten graph."""
+    txn = Transaction(an.graph)
+    try:
+        match.apply(txn)
+        yield txn, {old: n for _, old, n in txn.rewires}
+    finally:
+        txn.rollback_to((0, 0, 0))
 
 
 def _sources(an: Analyzer, reads: list) -> tuple:
