@@ -146,6 +146,7 @@ def _compiled_halves(t: dict, dual: bool):
     return halves
 
 
+@pytest.mark.compat  # the lowerings meet each torch's Inductor
 @pytest.mark.usefixtures("inductor_triton")
 @pytest.mark.parametrize("dual", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("gate", ["vector", "gamma"])
