@@ -42,8 +42,8 @@ the host, so a packed call can be captured in a CUDA graph.
 
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
 / ``chunk_bwd`` custom ops for a ``GLACall``; the local schedule's may go on from its first half
-computed already (``LocalParts``, ``kernels.parts``). They run on CUDA tensors, and on CPU tensors under
-``TRITON_INTERPRET=1``; ``configs.unsupported_reason`` says where they do not apply.
+computed already (``LocalParts``, ``kernels.parts``). They run on CUDA tensors, and on CPU tensors
+under ``TRITON_INTERPRET=1``; ``configs.unsupported_reason`` says where they do not apply.
 """
 
 import dataclasses
@@ -61,8 +61,8 @@ from .configs import (ChunkConfig, TileConfig, carry_options, dqkg_block_k,
                       segment_decays_shape, segsum_options, unsupported_reason)
 from .standalone import OUT, needs_int64, render
 
-__all__ = ["LocalParts", "backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid", "unsupported_reason",
-           "varlen_state_slots"]
+__all__ = ["LocalParts", "backward", "chunk_grid", "forward", "forward_with_prefix_states", "scan_grid",
+           "unsupported_reason", "varlen_state_slots"]
 
 
 def scan_grid(B: int, H: int, V: int, block_v: int, segments: int = 1) -> tuple[int, int, int]:

@@ -17,9 +17,9 @@ from ..contract import GLACall
 from ..gates import GateFn
 
 __all__ = [
-    "ChunkConfig", "TRITON_INSTALLED", "TileConfig", "carry_options", "default_config", "dqkg_block_k", "faulting_tile",
-    "kernel_options", "local_options", "local_terms", "scan_options", "scan_segments", "segment_decays_shape",
-    "segsum_options", "unsupported_reason", "walk_segments",
+    "ChunkConfig", "TRITON_INSTALLED", "TileConfig", "carry_options", "default_config", "dqkg_block_k",
+    "faulting_tile", "kernel_options", "local_options", "local_terms", "scan_options", "scan_segments",
+    "segment_decays_shape", "segsum_options", "unsupported_reason", "walk_segments",
 ]
 
 MAX_K = 256  # the scans hold whole key rows ([BT, K] tiles and the [K, BV] state) on chip

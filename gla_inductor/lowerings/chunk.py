@@ -1,9 +1,8 @@
 """Inductor lowerings of ``gla_inductor::chunk_fwd``, ``chunk_bwd``, ``chunk_final_state`` and the ops
 of a run cut around an exchange of states (``chunk_sums``, ``chunk_fwd_from_parts``,
 ``chunk_bwd_from_parts``): the chunked GLA kernels as ``TritonTemplate`` choices, so compiled graphs
-run them as generated code
-(epilogues fused into the main output's store, autotuned under max-autotune) instead of an extern
-call to the eager op.
+run them as generated code (epilogues fused into the main output's store, autotuned under
+max-autotune) instead of an extern call to the eager op.
 
 The templates are the jinja sources of ``gla_inductor/kernels/templates/``, which the eager CUDA path
 renders standalone (``kernels/standalone.py``); tiles and options come from ``kernels.configs``, so a
@@ -39,11 +38,11 @@ from torch.utils._sympy.functions import CeilDiv, FloorDiv
 
 from ..contract import CHUNK_BWD_ARGS, GLACall
 from ..kernels import final_state as final_state_kernels
-from ..kernels.parts import cut as parts_config
 from ..kernels.chunk import varlen_state_slots
 from ..kernels.configs import (ChunkConfig, TileConfig, carry_options, default_config, dqkg_block_k, faulting_tile,
                                kernel_options, local_options, local_terms, scan_options, segment_decays_shape,
                                segsum_options)
+from ..kernels.parts import cut as parts_config
 from ..kernels.standalone import OUT, load_template, render_source
 from ..ops.dispatch import chunk_unsupported_reason
 from ..ops.final_state import FINAL_STATE_ARGS, final_state_call
