@@ -59,7 +59,7 @@ def expect_two_pass(calls: int):
 
 
 def _cp_errors(ctx, gate: str, reverse: bool = False, layout: str = "contiguous", fn=None, layers: int = 1,
-               **shape) -> dict:
+               local_index=_local_index, **shape) -> dict:
     """Local slices through context_parallel_gla (or fn) against chunk_gla on everything. The loss is
     the sum of the ranks' losses: each rank weighs its o slice, and the final state by 1/W on every
     rank; gradients of the replicated inputs are summed over the ranks."""
@@ -72,7 +72,7 @@ def _cp_errors(ctx, gate: str, reverse: bool = False, layout: str = "contiguous"
     w_o, w_h = cases.loss_weights(tensors)
     single = gla_inductor.chunk_gla if layers == 1 else two_layers(gla_inductor.chunk_gla)
     ref_out, ref_grads = cases.forward_backward(single, tensors, options, w_o, w_h, reverse=reverse)
-    index = _local_index(tensors["q"].shape[1], ctx.rank, ctx.world, layout)
+    index = local_index(tensors["q"].shape[1], ctx.rank, ctx.world, layout)
     eager = fn is None
     fn = fn or functools.partial(context_parallel_gla, layout=layout)
     with expect_two_pass(layers if eager else 0):
@@ -316,6 +316,27 @@ def parts_fused_gate_reverse(ctx):
         return _cp_errors(ctx, "logsigmoid", True, "head_tail", **PARTS_SHAPE)
 
 
+def parts_uneven(ctx):
+    """The cut on slices of different lengths (33, 33, 33, 31 steps on four ranks), no initial state."""
+    with expect_parts(2):
+        return _cp_errors(ctx, "vector", **dict(PARTS_SHAPE, T=130, initial_state=False))
+
+
+def _all_on_the_first(T: int, rank: int, world: int, layout: str) -> torch.Tensor:
+    return torch.arange(T) if rank == 0 else torch.arange(0)
+
+
+def parts_empty_rank(ctx):
+    """The cut where every step is on the first rank and the others hold none, eager and compiled."""
+    from gla_inductor.distributed import context_parallel_gla
+
+    errors = _cp_errors(ctx, "vector", local_index=_all_on_the_first, **dict(PARTS_SHAPE, T=70))
+    torch._dynamo.reset()
+    compiled = _cp_errors(ctx, "vector", fn=torch.compile(context_parallel_gla, fullgraph=True),
+                          local_index=_all_on_the_first, **dict(PARTS_SHAPE, T=70))
+    return {**errors, **{f"compiled_{n}": e for n, e in compiled.items()}}
+
+
 def parts_compiled(ctx):
     """The cut, fullgraph through Inductor: the ops of the two halves around each all-gather, and no
     states-only pass, in the forward graph and in the backward graph."""
@@ -334,9 +355,9 @@ def parts_compiled(ctx):
 
 CHECKS_2 = [*CASE_CHECKS, uneven_slices, outputs_only, dtensor_sequence, error_bad_layouts, compiled_inductor,
             compiled_gla_backend, eager_scans_on_plain_tensors, parts_vector, parts_fused_gate_reverse,
-            parts_compiled]
+            parts_compiled, parts_empty_rank]
 CHECKS_4 = [CASE_CHECKS[0], CASE_CHECKS[3], CASE_CHECKS[11], uneven_slices, dtensor_sequence,
-            dtensor_sequence_and_heads, parts_fused_gate_reverse]
+            dtensor_sequence_and_heads, parts_fused_gate_reverse, parts_uneven]
 
 
 @functools.cache
