@@ -25,9 +25,9 @@ from torch import Tensor
 from .gates import GateFn, check_gate_name, log_gate
 
 __all__ = [
-    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "CHUNK_STATES_ARGS", "FLOAT_DTYPES", "GLACall", "LayoutWarning",
-    "RECURRENT_ARGS", "check_shape", "check_tensor", "compute_dtype", "gate_kind", "group_size", "output_dtype",
-    "repeat_groups", "sum_groups", "validate_gate", "validate_inputs", "validate_varlen",
+    "CHUNK_BWD_ARGS", "CHUNK_FWD_ARGS", "CHUNK_STATES_ARGS", "FINAL_STATE_ARGS", "FLOAT_DTYPES", "GLACall",
+    "LayoutWarning", "RECURRENT_ARGS", "check_shape", "check_tensor", "compute_dtype", "gate_kind", "group_size",
+    "output_dtype", "repeat_groups", "sum_groups", "validate_gate", "validate_inputs", "validate_varlen",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -38,6 +38,9 @@ CHUNK_FWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "outp
 CHUNK_BWD_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "do", "dht", "scale", "reverse",
                   "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias", "cu_seqlens")
 RECURRENT_ARGS = ("q", "k", "v", "g", "g_gamma", "state", "scale", "reverse", "state_indices")
+# chunk_final_state (and chunk_sums): a run's state from zero, or with do its dual, and the decay
+FINAL_STATE_ARGS = ("q", "k", "v", "g", "g_gamma", "do", "scale", "reverse", "gate_fn", "gate_scale", "gate_lo",
+                    "gate_hi", "gate_a", "gate_bias")
 # chunk_fwd_states: the forward with the prefix states every state_interval steps (inference only)
 CHUNK_STATES_ARGS = ("q", "k", "v", "g", "g_gamma", "initial_state", "scale", "state_interval",
                      "gate_fn", "gate_scale", "gate_lo", "gate_hi", "gate_a", "gate_bias", "cu_seqlens")
@@ -154,6 +157,10 @@ class GLACall:
     def bwd_op_args(self, do, dht) -> tuple:
         """``chunk_bwd``'s positional arguments for the output gradients do and dht."""
         return _positional(CHUNK_BWD_ARGS, self._named(do=do, dht=dht))
+
+    def final_state_op_args(self, do=None) -> tuple:
+        """``chunk_final_state``'s (and ``chunk_sums``') arguments, all of them: the dual's with do."""
+        return _positional(FINAL_STATE_ARGS, self._named(do=do), trim=False)
 
     def states_op_args(self, state_interval: int) -> tuple:
         """``chunk_fwd_states``'s arguments, all of them."""

@@ -319,7 +319,7 @@ def _sums(call: GLACall, do: Optional[Tensor], spec: _Spec) -> tuple[Tensor, Opt
     if spec.direct:
         S, D, parts = dispatch.chunk_sums(call, do)
     else:
-        S, D, *parts = torch.ops.gla_inductor.chunk_sums(*_final_state_args(call, do))
+        S, D, *parts = torch.ops.gla_inductor.chunk_sums(*call.final_state_op_args(do))
     return S, _decay(call, D), parts
 
 
@@ -330,16 +330,10 @@ def _final_state(call: GLACall, do: Optional[Tensor] = None, direct: bool = True
     (no o, no dual outputs); and the segment's decay exp(D) (``_decay``). Through the op unless
     ``direct``."""
     if not direct:
-        S, D = torch.ops.gla_inductor.chunk_final_state(*_final_state_args(call, do))
+        S, D = torch.ops.gla_inductor.chunk_final_state(*call.final_state_op_args(do))
     else:
         S, D = dispatch.chunk_final_state(call, do)
     return S, _decay(call, D)
-
-
-def _final_state_args(call: GLACall, do: Optional[Tensor]) -> tuple:
-    fn = call.gate
-    return (call.q, call.k, call.v, call.g, call.g_gamma, do, call.scale, call.reverse, fn.name, fn.scale, fn.lo,
-            fn.hi, call.gate_a, call.gate_bias)
 
 
 def _decay(call: GLACall, D: Optional[Tensor]) -> Optional[Tensor]:

@@ -15,14 +15,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..contract import GLACall
+from ..contract import FINAL_STATE_ARGS, GLACall
 from . import dispatch
 from .chunk import _first_trace
 
 __all__ = ["FINAL_STATE_ARGS", "chunk_final_state", "final_state_call"]
-
-FINAL_STATE_ARGS = ("q", "k", "v", "g", "g_gamma", "do", "scale", "reverse", "gate_fn", "gate_scale", "gate_lo",
-                    "gate_hi", "gate_a", "gate_bias")
 
 
 def _chunk_final_state_impl(
