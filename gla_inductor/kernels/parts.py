@@ -79,8 +79,8 @@ def sums(call: GLACall, do: Optional[Tensor] = None) -> tuple[Tensor, Optional[T
     zero state, D the decay across it ([B, H, K] for a vector gate, [B, H] for scalar and constant
     gates, None without a gate), as ``chunk_final_state``. With ``do``: the backward's parts, S the
     gradient w.r.t. the state entering the call, and D its dual walk's decay."""
-    cfg = config(call)
-    call, _ = chunk._prepare(call, cfg)
+    call, cfg = chunk._prepare(call, None)
+    cfg = cut(cfg)
     dual = do is not None
     if call.q.shape[1] == 0:
         return _empty(call)

@@ -380,11 +380,13 @@ class _Plan:
         return result[0] if isinstance(result, tuple) else result
 
 
-def _inputs(q, k, v):
-    """q, k, v realized in their promoted dtype (a cast only where they differ)."""
-    dtype = torch.promote_types(torch.promote_types(q.get_dtype(), k.get_dtype()), v.get_dtype())
-    cast = [x if x.get_dtype() == dtype else to_dtype(x, dtype) for x in (q, k, v)]
-    return dtype, [ir.ExternKernel.realize_input(x) for x in cast]
+def _realized(call: GLACall) -> tuple[torch.dtype, GLACall]:
+    """(q, k and v's promoted dtype, the call with q, k, v realized in it, a cast only where they
+    differ, and its other tensors realized)."""
+    dtype = torch.promote_types(torch.promote_types(call.q.get_dtype(), call.k.get_dtype()), call.v.get_dtype())
+    q, k, v = (ir.ExternKernel.realize_input(x if x.get_dtype() == dtype else to_dtype(x, dtype))
+               for x in (call.q, call.k, call.v))
+    return dtype, call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
 
 
 def _realize(x):
@@ -421,8 +423,8 @@ def chunk_fwd(*args, **kwargs):
 def _forward(call: GLACall, parts: Optional[list] = None):
     """chunk_fwd's templates; with ``parts`` (``chunk_sums``' outputs, ``kernels.parts``) the local
     schedule's second half on them."""
-    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
-    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    dtype, call = _realized(call)
+    q, k, v = call.q, call.k, call.v
     initial_state, output_final_state = call.initial_state, call.output_final_state
     plan = _Plan(call, dtype, parts=parts is not None)
     B, T, H, K, Vd = plan.B, plan.T, plan.H, plan.K, plan.V
@@ -457,8 +459,8 @@ def _backward(call: GLACall, do, dht, parts: Optional[list] = None):
     local schedule's second half on them."""
     # gradients keep their inputs' dtypes (the kernels convert on store)
     q_dtype, k_dtype, v_dtype = call.q.get_dtype(), call.k.get_dtype(), call.v.get_dtype()
-    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
-    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    dtype, call = _realized(call)
+    q, k, v = call.q, call.k, call.v
     g, g_gamma, initial_state, gate = call.g, call.g_gamma, call.initial_state, call.gate
     do, dht = _realize(do), _realize(dht)
     plan = _Plan(call, dtype, parts=parts is not None)
@@ -521,8 +523,8 @@ def chunk_final_state(*args, **kwargs):
     reason = _why_not(call)
     if reason is not None:
         return _fallback(gla.chunk_final_state.default, reason, *args, **kwargs)
-    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
-    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    dtype, call = _realized(call)
+    q, k, v = call.q, call.k, call.v
     do = named.get("do")
     dual = do is not None
     if dual:
@@ -548,8 +550,8 @@ def chunk_sums(*args, **kwargs):
     reason = _why_not(call)
     if reason is not None:
         return _fallback(gla.chunk_sums.default, reason, *args, **kwargs)
-    dtype, (q, k, v) = _inputs(call.q, call.k, call.v)
-    call = call.replace(q=q, k=k, v=v, **{n: _realize(getattr(call, n)) for n in _OTHER_TENSORS})
+    dtype, call = _realized(call)
+    q, k, v = call.q, call.k, call.v
     do = _realize(named.get("do"))
     dual = do is not None
     plan = _Plan(call, dtype, parts=True)
