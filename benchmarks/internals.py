@@ -53,9 +53,11 @@ def chunk_bwd_kernel(q, k, v, g, do, *, scale: float, config=None):
     return kchunk.backward(GLACall(q, k, v, g, scale=scale), do, None, config=config)
 
 
-def recurrent_kernel(q, k, v, g, *, state_in, state_out, scale: float, config=None):
-    """The fused recurrent (decode) kernel: o; the final state goes to state_out (may be state_in)."""
-    return krecurrent.forward(GLACall(q, k, v, g, initial_state=state_in, scale=scale), state_out, config=config)
+def recurrent_kernel(q, k, v, g, *, state_in, state_out, scale: float, config=None, state_indices=None):
+    """The fused recurrent (decode) kernel: o; the final state goes to state_out (may be state_in; with
+    ``state_indices``, the pool state_in itself)."""
+    call = GLACall(q, k, v, g, initial_state=state_in, scale=scale, state_indices=state_indices)
+    return krecurrent.forward(call, state_out, config=config)
 
 
 def local_kernel(cfg, q, k, v, g, *, scale: float):

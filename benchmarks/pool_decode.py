@@ -7,7 +7,7 @@ as FLA's GLA layer), fp32 pool unless named otherwise. Rows:
 
   ours_pool_kv      fused_recurrent_gla(..., initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
   ours_pool_vk      the same on a V-first pool [P, H, V, K] (vLLM's and SGLang's layout), state_v_first=True
-  ours_pool_kv_bf16 a bf16 pool
+  ours_pool_kv_bf16 a bf16 pool (ours_pool_vk_bf16: V-first)
   ours_batch        the fused_recurrent op on a contiguous [B, H, K, V] state: the same work without a pool
   fla_pool          FLA's fused_recurrent_gla with ssm_state_indices, where its signature has them
   fla_gather        otherwise FLA the way a caller must use it: gather the slots, call with
@@ -19,6 +19,11 @@ events (host time included) and CUDA-graph replays (GPU time alone). The floor i
 copy of the state bytes the call must move (B * H * K * V * bytes per element, read once and written
 once), timed in a CUDA graph in the same process: ``pct_floor`` = floor time / graph time. Target:
 >= 90 % at B >= 64.
+
+--tiles "BV/warps/stages/B[e],...": also each pool (and the batch state) through the kernel's launcher
+with those tiles (``RecurrentConfig``; B: 0 whole tiles, N key blocks (K-first states only), vN value
+blocks (V-first only); e: the early store), rows named "<impl> <tiles>": the sweep behind
+``default_recurrent_config``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--pad", default=0.0, type=float, help="fraction of padded entries (index -1)")
     p.add_argument("--impls", default="ours,fla")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tiles", default="", help="also these kernel tiles: 'BV/warps/stages/B[e],...' (see above)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: P, H, K, V = %s, B in 4, 8, CPU clock (checks the benchmark)" % (CPU_SHAPE,))
 
@@ -127,7 +133,8 @@ def ours(shape, B, device):
     P_, H_, K_, V_ = shape
     impls = []
     for name, dtype, v_first in (("ours_pool_kv", torch.float32, False), ("ours_pool_vk", torch.float32, True),
-                                 ("ours_pool_kv_bf16", torch.bfloat16, False)):
+                                 ("ours_pool_kv_bf16", torch.bfloat16, False),
+                                 ("ours_pool_vk_bf16", torch.bfloat16, True)):
         pool = torch.randn(P_, H_, V_, K_, device=device) if v_first else torch.randn(P_, H_, K_, V_, device=device)
         pool = pool.to(dtype)
 
@@ -144,6 +151,46 @@ def ours(shape, B, device):
 
     impls.append(Impl("ours_batch", state, batch, pooled=False))
     return impls
+
+
+def parse_tiles(text: str) -> list:
+    """'BV/warps/stages/B[e],...' -> [(text, RecurrentConfig)]; B: key_block, or value_block as 'vN'."""
+    from benchmarks.internals import RecurrentConfig
+
+    out = []
+    for spec in filter(None, (x.strip() for x in text.split(","))):
+        early = spec.endswith("e")
+        try:
+            bv, warps, stages, blocks = spec.rstrip("e").split("/")
+            by_value = blocks.startswith("v")
+            bv, warps, stages, blocks = int(bv), int(warps), int(stages), int(blocks.lstrip("v"))
+        except ValueError:
+            raise ValueError(f"--tiles {spec!r}: expected BV/warps/stages/B[e], B a key block or vN") from None
+        out.append((spec, RecurrentConfig(block_v=bv, num_warps=warps, num_stages=stages, early_state=early,
+                                          key_block=0 if by_value else blocks,
+                                          value_block=blocks if by_value else 0)))
+    return out
+
+
+def tiled(impls: list, tiles: list) -> list:
+    """Each of ``impls`` (ours) through the kernel's launcher at each of ``tiles``."""
+    from benchmarks.internals import recurrent_kernel
+
+    out = []
+    for impl in impls:
+        for spec, cfg in tiles:
+            if (cfg.key_block and impl.v_first) or (cfg.value_block and not impl.v_first):
+                continue  # key blocks for states whose values are contiguous, value blocks for V-first
+            state = impl.kv(impl.pool)
+            if impl.pooled:
+                def fn(q, k, v, g, idx, scale, state=state, cfg=cfg):
+                    return recurrent_kernel(q, k, v, g, state_in=state, state_out=state, scale=scale, config=cfg,
+                                            state_indices=idx)
+            else:
+                def fn(q, k, v, g, idx, scale, state=state, cfg=cfg):
+                    return recurrent_kernel(q, k, v, g, state_in=state, state_out=state, scale=scale, config=cfg)
+            out.append(Impl(f"{impl.name} {spec}", impl.pool, fn, impl.v_first, impl.elem, impl.pooled))
+    return out
 
 
 def fla(shape, device):
@@ -226,6 +273,7 @@ def run_batch(B: int, T: int, shape: tuple, device: str, args, rounds: int) -> l
     q, k, v, g, idx = make_inputs(B, T, shape, device, args.pad)
     scale = shape[2] ** -0.5
     impls = ours(shape, B, device) if "ours" in args.impls else []
+    impls += tiled(impls, parse_tiles(args.tiles))
     if "fla" in args.impls and not args.pad:  # FLA's gather cannot skip padded entries
         impls += fla(shape, device)
     rows = []

@@ -40,12 +40,16 @@ class RecurrentConfig:
     num_warps: int
     num_stages: int = 1
     early_state: bool = False  # the final state stored before the last step's output (EARLY_HT)
+    # both 0: each program holds its whole [K, block_v] state tile; else one step (T == 1 only) over
+    # that tile key_block keys (or value_block values) at a time (the template's BKB, VBB)
+    key_block: int = 0
+    value_block: int = 0
 
 
 def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.device,
                              state_dtype: torch.dtype = torch.float32,
-                             keys_contiguous: bool = False) -> RecurrentConfig:
-    """Value tile and warps for a bandwidth-bound pass over the state.
+                             keys_contiguous: bool = False, steps: Optional[int] = None) -> RecurrentConfig:
+    """Value tile and warps for a bandwidth-bound pass over the state (``steps``: T where known).
 
     A program's [BK, BV] fp32 state tile has about 8192 elements, 64 per thread over 4 warps, with
     rows of at least 32 floats (128 contiguous bytes of a contiguous state). BV = 64 with 4 warps
@@ -61,20 +65,52 @@ def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.devic
     16-bit state moves half the bytes per tile, and halved value tiles with the final state stored
     before the output's reduction (the writes then overlap it) did best (bf16: 56 -> 66%; V-first
     65 -> 84%), where for fp32 the early store lost (88 -> 77%).
+
+    One step (``steps == 1``, decoding) may walk the tile in blocks, the next block's loads in flight
+    while one updates (``_one_step_blocks``).
     """
     half = state_dtype.itemsize == 2
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    if steps == 1 and sms is not None:
+        blocks = _one_step_blocks(B * H, K, V, sms, half, keys_contiguous)
+        if blocks is not None:
+            return blocks
     if keys_contiguous:
         return RecurrentConfig(block_v=16, num_warps=1, early_state=half)
     BK = max(16, pow2(K))
     block_v = min(max(16, pow2(V)), max(32, min(64, 8192 // BK)))
     if half:
         block_v = max(16, block_v // 2)
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms is not None:
         while block_v > 16 and B * H * -(-V // block_v) < 4 * sms:
             block_v //= 2
     num_warps = min(8, max(1, BK * block_v // 2048))
     return RecurrentConfig(block_v=block_v, num_warps=num_warps, early_state=half)
+
+
+def _one_step_blocks(pairs: int, K: int, V: int, sms: int, half: bool,
+                     keys_contiguous: bool) -> Optional[RecurrentConfig]:
+    """The blocks of one step over B * H = ``pairs`` states, or None for whole tiles. Tile sweep of
+    decoding into a pool (B = 16, 64, 256, H = 32, K = V = 128;
+    benchmarks/results/h100-2026-11-28-pool-blocks.md): with few pairs (fewer than 4 per SM), blocks
+    of 32 keys by 64 values with 2 warps (K-first) or of 16 values by all keys with one warp
+    (V-first) reached 101-169% of the copy floor where whole tiles reached 77-140% (the floor
+    itself is not at full bandwidth there); the K-first value tile narrows as the whole tiles' does
+    while the programs leave SMs idle (B = 1), its blocks keeping 2048 elements. With more pairs, a
+    16-bit K-first state in blocks of 16 keys by 128 values with 2 warps reached 89-91% where whole
+    tiles reached 76-77%, and the others kept whole tiles (within 3% of the best blocks)."""
+    BK, wide = max(16, pow2(K)), min(max(16, pow2(V)), 128)
+    if pairs < 4 * sms:
+        if keys_contiguous:
+            return RecurrentConfig(block_v=min(wide, 32), num_warps=1, num_stages=2, value_block=16)
+        # blocks of 2048 elements; the value tile narrows while the programs leave SMs idle (B = 1)
+        block_v = min(wide, 64)
+        while block_v > 16 and pairs * -(-V // block_v) < 4 * sms:
+            block_v //= 2
+        return RecurrentConfig(block_v=block_v, num_warps=2, num_stages=2, key_block=min(BK, 2048 // block_v))
+    if half and not keys_contiguous:
+        return RecurrentConfig(block_v=wide, num_warps=2, num_stages=2, key_block=min(BK, 2048 // wide))
+    return None
 
 
 def keys_contiguous(stride) -> bool:
@@ -120,11 +156,12 @@ def unsupported_reason(call: GLACall, state_out: Optional[Tensor] = None) -> Opt
 
 def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *, block_v: int, use_h0: bool,
                       store_ht: bool, group: int = 1, use_indices: bool = False, ht_is_h0: bool = False,
-                      early_ht: bool = False) -> dict:
+                      early_ht: bool = False, key_block: int = 0, value_block: int = 0) -> dict:
     """The template's options (jinja variables and constexprs); ``gate`` as ``GLACall.gate_kind``;
     ``group`` the heads of v per head of q and k; ``use_indices``: the states are slots of a pool;
     ``ht_is_h0``: the final state overwrites the initial one, passed once (Inductor's lowering);
-    ``early_ht``: the final state is stored before the last step's output (``RecurrentConfig``)."""
+    ``early_ht``: the final state is stored before the last step's output; ``key_block``,
+    ``value_block``: one step in blocks of that many keys or values (all ``RecurrentConfig``)."""
     return dict(
         BK=max(16, pow2(K)),
         BV=block_v,
@@ -140,6 +177,8 @@ def recurrent_options(K: int, V: int, gate: str, scale: float, reverse: bool, *,
         GROUP=int(group),
         USE_INDICES=bool(use_indices),
         EARLY_HT=bool(early_ht),
+        BKB=int(key_block),
+        VBB=int(value_block),
     )
 
 
@@ -170,11 +209,13 @@ def forward(call: GLACall, state_out: Optional[Tensor], config: Optional[Recurre
             state_out.copy_(call.initial_state if call.initial_state is not None else torch.zeros_like(state_out))
         return o
     state = call.initial_state if call.initial_state is not None else state_out
-    cfg = config or (default_recurrent_config(B, H, K, V, q.device) if state is None else
-                     default_recurrent_config(B, H, K, V, q.device, state.dtype, keys_contiguous(state.stride())))
+    cfg = config or (default_recurrent_config(B, H, K, V, q.device, steps=T) if state is None else
+                     default_recurrent_config(B, H, K, V, q.device, state.dtype, keys_contiguous(state.stride()), T))
+    _check_blocks(cfg, K, T)
     options = recurrent_options(K, V, call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
                                 use_h0=call.initial_state is not None, store_ht=state_out is not None,
-                                group=call.group_size, use_indices=indices is not None, early_ht=cfg.early_state)
+                                group=call.group_size, use_indices=indices is not None, early_ht=cfg.early_state,
+                                key_block=cfg.key_block, value_block=cfg.value_block)
     tensors = {"q": q, "k": call.k, "v": v, "g": call.g, "g_gamma": call.g_gamma, "h0": call.initial_state,
                "ht": state_out, "idx": indices}
     present = {n: t for n, t in tensors.items() if t is not None}
@@ -184,6 +225,18 @@ def forward(call: GLACall, state_out: Optional[Tensor], config: Optional[Recurre
     kernel = render(("gla_recurrent", "gla_common"), "gla_recurrent", options, ndims, int64_index)
     kernel(recurrent_grid(B, H, V, cfg.block_v), present, o, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o
+
+
+def _check_blocks(cfg: RecurrentConfig, K: int, T: int) -> None:
+    """A config that steps in blocks takes one step, in blocks (one kind) that tile its keys (padded
+    to BK) or its value tile."""
+    if not (cfg.key_block or cfg.value_block):
+        return
+    size, of, name = ((cfg.key_block, max(16, pow2(K)), "key_block") if cfg.key_block else
+                      (cfg.value_block, cfg.block_v, "value_block"))
+    if T != 1 or (cfg.key_block and cfg.value_block) or size != pow2(size) or size > of:
+        raise ValueError(f"gla_recurrent: {name} = {size} needs T = 1 (got {T}), no other blocks and a power of "
+                         f"two of at most {of}")
 
 
 def _check_pool(call: GLACall, state_out: Optional[Tensor]) -> None:

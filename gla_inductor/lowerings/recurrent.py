@@ -193,11 +193,14 @@ def _template(call: GLACall):
     hint = V.graph.sizevars.optimization_hint
     K, Vd = _specialized(K), _specialized(Vd)
     h0 = tensors["h0"]
+    # one step only where T is 1 in every call of the graph (the blocks take exactly one)
+    steps = 1 if _static(T) and int(T) == 1 else None
     cfg = default_recurrent_config(hint(B), hint(H), K, Vd, device, h0.get_dtype(),
-                                   keys_contiguous([hint(x) for x in h0.get_stride()]))
+                                   keys_contiguous([hint(x) for x in h0.get_stride()]), steps)
     options = recurrent_options(K, Vd, call.gate_kind, call.scale, call.reverse, block_v=cfg.block_v,
                                 use_h0=True, store_ht=True, group=_group(call),
-                                use_indices=call.state_indices is not None, ht_is_h0=True, early_ht=cfg.early_state)
+                                use_indices=call.state_indices is not None, ht_is_h0=True, early_ht=cfg.early_state,
+                                key_block=cfg.key_block, value_block=cfg.value_block)
     names = _arg_names(RECURRENT, options, tensors)
     nodes = [tensors[n] for n in names]
     layout = _layout(device, _output_dtype(call), (B, T, H, Vd))

@@ -15,6 +15,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from gla_inductor import config
+from gla_inductor.kernels.recurrent import RecurrentConfig
 from gla_inductor.lowerings import recurrent as lrecurrent
 
 from helpers import GATES, assert_rel_close, gla_inputs, loop_reference, placed
@@ -296,3 +297,27 @@ def test_template_with_every_size_dynamic(triton_inductor):
         assert_rel_close(f"o {B, H, K, V}", out / 2, ref_o, TOL[torch.float32])
         assert_rel_close(f"state {B, H, K, V}", x, ref_ht, TOL[torch.float32])
         assert not EXTERN_CALL.search(code) and TEMPLATE_KERNEL in code, code
+
+
+@needs_triton
+@pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vk"])
+def test_template_one_step_in_blocks(triton_inductor, v_first, monkeypatch):
+    """A decode step walks the state in blocks (of keys for a K-first pool, of values for a V-first
+    one; the defaults choose them on a GPU): padded entries, untouched slots and the partial blocks
+    (K = 8 of 16 padded keys, V = 12 of a 16-wide tile) as with whole tiles."""
+    blocks = (RecurrentConfig(block_v=16, num_warps=1, value_block=8) if v_first else
+              RecurrentConfig(block_v=16, num_warps=2, num_stages=2, key_block=8))
+    steps = []
+
+    def chosen(*args):
+        steps.append(args[-1])
+        return blocks
+
+    monkeypatch.setattr(lrecurrent, "default_recurrent_config", chosen)
+    q, k, v, g, stored, idx = _pool_case(v_first)
+    before = stored.clone()
+    with config.patch(decode_lowering="template"):
+        out, (code, *_) = run_and_get_code(_pool_step(v_first), q, k, v, g, stored, idx)
+    _check_pool(out, stored, before, q, k, v, g, idx, v_first)
+    assert steps == [1]  # asked for one step: T is 1 in the graph
+    assert ("i_vb" if v_first else "i_kb") in code and not EXTERN_CALL.search(code), code
