@@ -174,10 +174,12 @@ def test_pool_decode_kernel(case, monkeypatch):
     q, k, v, g, g_gamma, pool, idx = _inputs(case)
     before = pool.clone()
     expected_o, expected_pool = _expected(case, q, k, v, g, g_gamma, pool, idx, 0.3)
+    if ON_GPU:  # the kernels run on CUDA tensors there (on CPU ones under the interpreter)
+        q, k, v, g, g_gamma, pool, idx = (None if x is None else x.cuda() for x in (q, k, v, g, g_gamma, pool, idx))
     o = _run("kernel", case, q, k, v, g, g_gamma, pool, idx, 0.3)
     # the kernel ran once, reading and writing the pool itself (a V-first pool through a view of it)
     assert len(calls) == 1 and calls[0][1].data_ptr() == pool.data_ptr()
-    _check(case, o, _kv(pool, case), _kv(before, case), expected_o, _kv(expected_pool, case), idx)
+    _check(case, o.cpu(), _kv(pool, case).cpu(), _kv(before, case), expected_o, _kv(expected_pool, case), idx.cpu())
 
 
 @pytest.mark.parametrize("case", [Case("vector", T=5, pool_dtype=bf16, v_first=True), Case("scalar", T=9)],
