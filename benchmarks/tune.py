@@ -123,11 +123,14 @@ def schedule_configs(base, vector_gate: bool = False) -> list:
                     rep(base, local=False, terms=False, scan=TileConfig(bv, w, 2), scan_segments=p)))
     # the forward as one carry computing its chunk terms (scalar, constant and no gates), in segments
     if not vector_gate:
-        for p, bv, w in itertools.product((1, 2, 4, 8, 16), (64, 128), (4, 8)):
+        for p, bv, w in itertools.product((1, 2, 4, 8, 16), (32, 64, 128), (4, 8)):
             if bv == 128 and w == 4:
                 continue  # spills (offline sm_90 compile: `profile sm90 --mode carry_terms`)
             out.append((f"terms P={p} BV={bv} w={w}",
                         rep(base, local=False, terms=True, carry=TileConfig(bv, w, 2), segments=p)))
+        for p in (1, 2, 4, 8, 16):  # three stages: 115 KB of shared memory at K = 128, one program per SM
+            out.append((f"terms P={p} BV=64 w=4 s=3",
+                        rep(base, local=False, terms=True, carry=TileConfig(64, 4, 3), segments=p)))
     # the split schedule with its states scan in segments, then the chunk-parallel output kernel
     for p, w in itertools.product((1, 2, 4, 8, 16), (4, 8)):
         out.append((f"split P={p} out BV=64 w={w}",

@@ -340,12 +340,11 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     if terms:
         # value tiles of 64 with one warpgroup: 8 warps split the state's 64 rows of the dots between
         # two warpgroups and ran 2-3x slower; tiles of 128 with 8 warps read q and k once, but one
-        # program per SM lost. Walks in segments at K > 64 load three chunks ahead (115 KB of shared
-        # memory: one program per SM), 4-8% faster there; 17% slower with one walk, where two
-        # programs share an SM (results/h200-2026-11-27-terms.md)
+        # program per SM lost; tiles of 32 lost 1.2-2x (results/h200-2026-11-27-terms.md,
+        # h200-2026-11-28-terms-bv32.md). Two stages: three (115 KB of shared memory at K = 128, one
+        # program per SM) measured 4-8% faster in segments once, and 13-16% slower on an H100 and an
+        # H200 in later runs of the same tree (results/h100-2026-11-28-terms-stages.md)
         carry_v, carry_warps, segments = 64, 4, terms_p
-        if terms_p > 1 and BK > 64 and dtype != torch.float32:
-            carry_stages = 3
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
     # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
