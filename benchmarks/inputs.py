@@ -23,6 +23,9 @@ KERNEL_SHAPES = [
     (2, 16384, 16, 128, 128),
 ]
 QUICK_SHAPES = [(2, 256, 4, 64, 64)]
+# the tile sweeps' shapes (`tune`): the main shape, and --quick's, as --shapes text
+SWEEP_MAIN = "8,2048,16,128,128"
+SWEEP_QUICK = "2,256,4,64,64"
 
 
 def log_gate(shape, device, dtype, generator: Optional[torch.Generator] = None, scale: float = 1 / 16):
@@ -58,6 +61,12 @@ def gla_inputs(B: int, T: int, H: int, K: int, V: int, *, gate: str = "vector", 
     if requires_grad:
         out = tuple(None if x is None else x.requires_grad_() for x in out)
     return out
+
+
+def sweep_inputs(shape, gate: str):
+    """q, k, v and a bf16 gate of the tile sweeps at shape (B, T, H, K, V), on CUDA."""
+    B, T, H, K, V = shape
+    return gla_inputs(B, T, H, K, V, gate=gate, gate_dtype=torch.bfloat16)
 
 
 def state(B: int, H: int, K: int, V: int, *, device: str = "cuda", seed: int = 1) -> torch.Tensor:

@@ -32,8 +32,7 @@ import torch
 from benchmarks import harness, inputs, report
 
 TOOLS = ("schedule", "segments", "slices", "dqkg", "ablate", "ab")
-MAIN = "8,2048,16,128,128"
-QUICK = "2,256,4,64,64"
+MAIN, QUICK = inputs.SWEEP_MAIN, inputs.SWEEP_QUICK
 
 
 def add_arguments(p) -> None:
@@ -56,11 +55,6 @@ def add_arguments(p) -> None:
     p.add_argument("--gate-fns", default=",logsigmoid", help="dqkg: fused gate functions ('' none)")
     p.add_argument("--dqkg-stages", default="1,2", help="dqkg: pipeline stages")
     tune_ab.add_arguments(p)
-
-
-def sweep_inputs(shape, gate: str):
-    B, T, H, K, V = shape
-    return inputs.gla_inputs(B, T, H, K, V, gate=gate, gate_dtype=torch.bfloat16)
 
 
 def shapes_of(args, default: str):
@@ -141,7 +135,7 @@ def schedule_configs(base, vector_gate: bool = False) -> list:
 def run_schedule(args, shape, gate) -> list:
     from benchmarks import internals
 
-    q, k, v, g = sweep_inputs(shape, gate)
+    q, k, v, g = inputs.sweep_inputs(shape, gate)
     B, T, H, K, V = shape
     base = internals.default_chunk_config(B, T, H, K, V, q.dtype, gate == "vector", q.device)
     configs = schedule_configs(base, gate == "vector")
@@ -155,7 +149,7 @@ def run_schedule(args, shape, gate) -> list:
 def run_segments(args, shape, gate) -> list:
     from benchmarks import internals
 
-    q, k, v, g = sweep_inputs(shape, gate)
+    q, k, v, g = inputs.sweep_inputs(shape, gate)
     do = torch.randn_like(v)
     B, T, H, K, V = shape
     base = internals.default_chunk_config(B, T, H, K, V, q.dtype, gate == "vector", q.device)
@@ -177,7 +171,7 @@ def run_segments(args, shape, gate) -> list:
 def run_slices(args, shape, gate) -> list:
     from benchmarks import internals
 
-    q, k, v, g = sweep_inputs(shape, "vector")
+    q, k, v, g = inputs.sweep_inputs(shape, "vector")
     do = torch.randn_like(v)
     B, T, H, K, V = shape
     named = {}
@@ -208,7 +202,7 @@ def run_dqkg(args, shape, gate) -> list:
     rows = []
     for fn_name in args.gate_fns.split(","):
         gate_fn = internals.GateFn(fn_name, 1 / 16) if fn_name else internals.GateFn()
-        q, k, v, g = sweep_inputs(shape, gate)
+        q, k, v, g = inputs.sweep_inputs(shape, gate)
         if fn_name:  # g is the fused function's input
             g = torch.randn(g.shape, device="cuda", dtype=torch.bfloat16)
         do = torch.randn_like(v)

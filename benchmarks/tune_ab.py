@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-from benchmarks import harness, report
+from benchmarks import harness, inputs, report
 
 CASES = ("8,2048,16,128,128:vector;1,8192,96,128,128:vector;8,2048,4,256,512:vector;4,2048,16,128,128:vector;"
          "8,1024,8,64,64:vector;2,16384,16,128,128:vector;8,2048,16,128,128:scalar")
@@ -93,14 +93,13 @@ def add_arguments(p) -> None:
 
 def run_ablate(args, result) -> None:
     from benchmarks import internals
-    from benchmarks.tune import MAIN, QUICK, sweep_inputs
 
-    shape = harness.parse_shapes(args.shapes or (QUICK if args.quick else MAIN))[0]
+    shape = harness.parse_shapes(args.shapes or (inputs.SWEEP_QUICK if args.quick else inputs.SWEEP_MAIN))[0]
     configs = _configs()
     names = [n for n in [*PATCHES, *configs] if not args.only or n in args.only.split("|")]
     B, T, H, K, V = shape
     for gate in args.gates.split(","):
-        q, k, v, g = sweep_inputs(shape, gate)
+        q, k, v, g = inputs.sweep_inputs(shape, gate)
         base = internals.default_chunk_config(B, T, H, K, V, q.dtype, gate == "vector", q.device)
         ref = None
         for name in names:
