@@ -342,8 +342,8 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         # two warpgroups and ran 2-3x slower; tiles of 128 with 8 warps read q and k once, but one
         # program per SM lost; tiles of 32 lost 1.2-2x (results/h200-2026-11-27-terms.md,
         # h200-2026-11-28-terms-bv32.md). Two stages: three (115 KB of shared memory at K = 128, one
-        # program per SM) measured 4-8% faster in segments once, and 13-16% slower on an H100 and an
-        # H200 in later runs of the same tree (results/h100-2026-11-28-terms-stages.md)
+        # program per SM) measured 4-8% faster in segments on an earlier tree, and 13-16% slower in
+        # later A/B runs on an H100 and an H200 (results/h100-2026-11-28-terms-stages.md)
         carry_v, carry_warps, segments = 64, 4, terms_p
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under

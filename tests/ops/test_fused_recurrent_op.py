@@ -260,6 +260,7 @@ def test_one_step_blocks_by_pairs_dtype_and_layout():
 @needs_kernels
 @pytest.mark.parametrize("blocks", [dict(key_block=8), dict(value_block=8)], ids=["keys", "values"])
 def test_blocks_take_one_step(blocks):
+    """A config in blocks is refused, by name, for more than one step or blocks past the head size."""
     q, k, v = (torch.zeros(1, 2, 1, 16, device=DEVICE) for _ in range(3))
     config = krecurrent.RecurrentConfig(block_v=16, num_warps=1, **blocks)
     with pytest.raises(ValueError, match="needs T = 1 \\(got 2\\)"):
