@@ -100,11 +100,13 @@ def schedule_configs(base, vector_gate: bool = False) -> list:
     rep = dataclasses.replace
     out = [("default", base)]
     for bv, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2)):
-        out.append((f"fused BV={bv} w={w} s={s}", rep(base, terms=False, scan=TileConfig(bv, w, s))))
+        out.append((f"fused BV={bv} w={w} s={s}", rep(base, local=False, terms=False, scan=TileConfig(bv, w, s))))
     for bv, w in itertools.product((32, 64, 128), (4, 8)):
-        out.append((f"split out BV={bv} w={w}", rep(base, terms=False, split=True, output=TileConfig(bv, w, 2))))
+        out.append((f"split out BV={bv} w={w}",
+                    rep(base, local=False, terms=False, split=True, output=TileConfig(bv, w, 2))))
     for bv, w in itertools.product((32, 64), (4, 8)):  # longer chunks: half the scan's steps, larger dots
-        out.append((f"fused BT=128 BV={bv} w={w}", rep(base, terms=False, block_t=128, scan=TileConfig(bv, w, 2))))
+        out.append((f"fused BT=128 BV={bv} w={w}",
+                    rep(base, local=False, terms=False, block_t=128, scan=TileConfig(bv, w, 2))))
     for bv, w, s in itertools.product((32, 64), (4, 8), (1, 2)):  # one stage: half the shared memory
         out.append((f"local carry BV={bv} w={w} s={s}", rep(base, local=True, carry=TileConfig(bv, w, s), segments=1)))
     for p, bv in itertools.product((2, 4, 8, 16), (32, 64)):
