@@ -27,7 +27,6 @@ INTERPRETED = type(triton.language.cumsum).__name__ == "InterpretedFunction"
 needs_decomposition = pytest.mark.skipif(not lrecurrent._ORDERS_INPUT_MUTATION,
                                          reason="the decomposition needs torch >= 2.13 (it falls back there)")
 needs_triton = pytest.mark.skipif(not (ON_GPU or INTERPRETED), reason="needs a GPU or TRITON_INTERPRET=1")
-pytestmark = pytest.mark.compat
 
 # how the output code calls the eager op (a fallback), as opposed to comments that name it
 EXTERN_CALL = re.compile(r"^\s*[\w, ]+ = torch\.ops\.gla_inductor\.fused_recurrent\.default\(|"
