@@ -181,14 +181,10 @@ def tiled(impls: list, tiles: list) -> list:
         for spec, cfg in tiles:
             if (cfg.key_block and impl.v_first) or (cfg.value_block and not impl.v_first):
                 continue  # key blocks for states whose values are contiguous, value blocks for V-first
-            state = impl.kv(impl.pool)
-            if impl.pooled:
-                def fn(q, k, v, g, idx, scale, state=state, cfg=cfg):
-                    return recurrent_kernel(q, k, v, g, state_in=state, state_out=state, scale=scale, config=cfg,
-                                            state_indices=idx)
-            else:
-                def fn(q, k, v, g, idx, scale, state=state, cfg=cfg):
-                    return recurrent_kernel(q, k, v, g, state_in=state, state_out=state, scale=scale, config=cfg)
+            def fn(q, k, v, g, idx, scale, state=impl.kv(impl.pool), cfg=cfg, pooled=impl.pooled):
+                return recurrent_kernel(q, k, v, g, state_in=state, state_out=state, scale=scale, config=cfg,
+                                        state_indices=idx if pooled else None)
+
             out.append(Impl(f"{impl.name} {spec}", impl.pool, fn, impl.v_first, impl.elem, impl.pooled))
     return out
 

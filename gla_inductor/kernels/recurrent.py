@@ -82,8 +82,7 @@ def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.devic
     if half:
         block_v = max(16, block_v // 2)
     if sms is not None:
-        while block_v > 16 and B * H * -(-V // block_v) < 4 * sms:
-            block_v //= 2
+        block_v = _narrowed(block_v, B * H, V, sms)
     num_warps = min(8, max(1, BK * block_v // 2048))
     return RecurrentConfig(block_v=block_v, num_warps=num_warps, early_state=half)
 
@@ -104,13 +103,19 @@ def _one_step_blocks(pairs: int, K: int, V: int, sms: int, half: bool,
         if keys_contiguous:
             return RecurrentConfig(block_v=min(wide, 32), num_warps=1, num_stages=2, value_block=16)
         # blocks of 2048 elements; the value tile narrows while the programs leave SMs idle (B = 1)
-        block_v = min(wide, 64)
-        while block_v > 16 and pairs * -(-V // block_v) < 4 * sms:
-            block_v //= 2
+        block_v = _narrowed(min(wide, 64), pairs, V, sms)
         return RecurrentConfig(block_v=block_v, num_warps=2, num_stages=2, key_block=min(BK, 2048 // block_v))
     if half and not keys_contiguous:
         return RecurrentConfig(block_v=wide, num_warps=2, num_stages=2, key_block=min(BK, 2048 // wide))
     return None
+
+
+def _narrowed(block_v: int, pairs: int, V: int, sms: int) -> int:
+    """The value tile halved (down to 16) while its pairs * cdiv(V, block_v) programs leave fewer than
+    4 per SM."""
+    while block_v > 16 and pairs * -(-V // block_v) < 4 * sms:
+        block_v //= 2
+    return block_v
 
 
 def keys_contiguous(stride) -> bool:
