@@ -80,7 +80,7 @@ def final_state(call: GLACall, do: Optional[Tensor] = None, config: Optional[Chu
     B, T, _, K = call.q.shape
     H, V = call.v.shape[2], call.v.shape[-1]
     x = call.q if dual else call.k
-    v = do.to(call.output_dtype) if dual else call.v
+    v = do if dual else call.v  # do as it comes, as the backward reads it (the kernel converts on load)
     gated = call.gate_kind != "none"
     if T == 0:
         decay = x.new_ones((B, H, K) if call.gate_kind == "vector" else (B, H), dtype=torch.float32)

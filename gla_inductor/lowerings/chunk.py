@@ -525,17 +525,15 @@ def chunk_final_state(*args, **kwargs):
         return _fallback(gla.chunk_final_state.default, reason, *args, **kwargs)
     dtype, call = _realized(call)
     q, k, v = call.q, call.k, call.v
-    do = named.get("do")
+    do = _realize(named.get("do"))
     dual = do is not None
-    if dual:
-        do = _realize(do if do.get_dtype() == dtype else to_dtype(do, dtype))
     plan = _Plan(call, dtype)
     x, w = (q, do) if dual else (k, v)
     vector = call.gate_kind == "vector"
     hint = V.graph.sizevars.optimization_hint
     plan.cfg, P = final_state_kernels.launch_plan(plan.cfg, hint(plan.N), hint(plan.T), hint(plan.H), int(plan.K),
-                                                  int(plan.V), dtype, dtype, call.g.get_dtype() if vector else None,
-                                                  plan.device)
+                                                  int(plan.V), dtype, w.get_dtype(),
+                                                  call.g.get_dtype() if vector else None, plan.device)
     hs, ds = plan.scan_segment_sums(x, w, dual, P)
     return _fold(hs, ds, P, vector, plan.device)
 

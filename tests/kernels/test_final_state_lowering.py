@@ -69,6 +69,16 @@ def test_bf16_head_size_128_takes_the_pass_tiles():
     _check(got, t, False, tol=2e-2)
 
 
+def test_do_is_read_in_its_own_dtype():
+    """A do whose dtype is not the inputs' (fp32 against bf16) is read as it comes, as the backward
+    reads it, so the tile is the one for fp32 operands (the scan's), as the eager launch picks it."""
+    t = cases.inputs("vector", B=1, T=70, H=2, G=2, K=128, V=128, dtype=torch.bfloat16)
+    t["do"] = t["do"].float()
+    got, (code,) = run_and_get_code(torch.compile(_op(t, True), fullgraph=True), *_args(t))
+    assert code.count(SEGSUM_KERNEL) == 1 and "BV : tl.constexpr = 64" in code
+    _check(got, t, True, tol=2e-2)
+
+
 def test_float64_lowers_to_the_eager_op():
     t = cases.inputs("scalar", T=20)
     got, (code,) = run_and_get_code(torch.compile(_op(t, True), fullgraph=True), *_args(t))
