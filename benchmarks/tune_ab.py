@@ -28,6 +28,11 @@ from benchmarks import harness, inputs, report
 CASES = ("8,2048,16,128,128:vector;1,8192,96,128,128:vector;8,2048,4,256,512:vector;4,2048,16,128,128:vector;"
          "8,1024,8,64,64:vector;2,16384,16,128,128:vector;8,2048,16,128,128:scalar")
 
+# gla_chunk_carry's output in TERMS mode: v^T A^T, then S^T q^T
+_TERMS_INTRA = "_gla_dot(b_wt, b_At.to(DOT_DTYPE), F32_PRECISION)"
+_TERMS_INTER = "_gla_dot(b_s.to(DOT_DTYPE), tl.trans(b_x), F32_PRECISION) * b_xf[None, :]"
+_TERMS_OUT = f"b_o = {_TERMS_INTRA}\n        b_o = b_o + {_TERMS_INTER}"
+
 # (template, old, new): the replacements of each variant
 PATCHES = {
     "base": [],
@@ -48,6 +53,15 @@ PATCHES = {
     # the output store left out (stored for the first row only, so that o is not dropped)
     "no_store": [("gla_chunk_scan", "m_o = m_t[:, None] & m_v[None, :]",
                   "m_o = (m_t[:, None] & m_v[None, :]) & (o_t[:, None] < 1)")],
+    # the carry computing its chunk terms (scalar, constant and no gates): its intra-chunk output
+    # v^T A^T (the scores with it), its inter-chunk output S^T q^T, both (the walk then advances the
+    # state alone), the state update, the non-finite check
+    "terms_no_intra": [("gla_chunk_carry", _TERMS_OUT, "b_o = " + _TERMS_INTER)],
+    "terms_no_inter": [("gla_chunk_carry", _TERMS_OUT, "b_o = " + _TERMS_INTRA)],
+    "terms_state_only": [("gla_chunk_carry", _TERMS_OUT, "b_o = b_wt.to(tl.float32)")],
+    "terms_no_update": [("gla_chunk_carry", "b_s += _gla_dot(b_wy, b_y, F32_PRECISION)", "pass")],
+    "terms_no_check": [("gla_chunk_carry", "{%- set CHECK = WRITE_OUT and not DUAL and not STORE_STATES %}",
+                        "{%- set CHECK = False %}")],
 }
 
 
@@ -138,7 +152,8 @@ for i, case in enumerate(sys.argv[1].split(";")):
     shape, gate = case.split(":")
     B, T, H, K, V = map(int, shape.split(","))
     q, k, v, g = inputs.gla_inputs(B, T, H, K, V, gate=gate, gate_dtype=torch.bfloat16)
-    do = torch.randn_like(v)
+    # seeded as the inputs: the outputs of the versions are compared (the gradients with do)
+    do = torch.randn(v.shape, device=v.device, generator=torch.Generator(v.device).manual_seed(1)).to(v.dtype)
     fwd = lambda: torch.ops.gla_inductor.chunk_fwd(q, k, v, g, None, None, K ** -0.5, False, False)[0]
     bwd = lambda: torch.ops.gla_inductor.chunk_bwd(q, k, v, g, None, None, do, None, K ** -0.5, False)
     with torch.no_grad():
