@@ -117,6 +117,26 @@ def test_kernel_schedules_nonfinite_input_propagates_like_the_loop(schedule, gat
 
 
 @kernel_warnings
+@pytest.mark.parametrize("schedule,gate", [("local", "vector"), ("segments", "vector"), ("terms", "scalar"),
+                                           ("terms-segments", "scalar"), ("terms", "constant")])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_kernel_schedules_values_poisoned_in_several_chunks(schedule, gate, reverse):
+    """Non-finite values in several chunks and columns, two in one column and chunk, one in the
+    first chunk: o is not finite exactly at the steps a value feeds, in its own chunk and in every
+    later one, and the final state where the loop's is not; the other columns stay finite."""
+    inputs = gla_inputs(gate, T=200, B=1, H=2, K=16, V=16)
+    for t, h, c, value in ((5, 0, 3, float("inf")), (70, 1, 0, float("nan")), (150, 1, 9, float("-inf")),
+                           (140, 1, 9, float("nan")), (195, 0, 15, float("nan"))):
+        inputs["v"][0, t, h, c] = value
+    o, ht = run_kernels(inputs, reverse, schedule=schedule)
+    o_ref, ht_ref = call(naive_recurrent_gla, inputs, output_final_state=True, scale=0.25, reverse=reverse)
+    # over 200 steps the clean input's fp32 outputs are up to 3e-5 from the loop's (vector gates)
+    assert_nonfinite_like(o, o_ref, False, "o", tol=1e-4)
+    assert_nonfinite_like(ht, ht_ref, False, "final state", tol=1e-4)
+    assert torch.isfinite(o[:, :, 0, 4:15]).all()  # clean columns stay clean
+
+
+@kernel_warnings
 @pytest.mark.parametrize("gate", ["vector", "scalar", "constant"])
 @pytest.mark.parametrize("schedule", [None, "split", "local", "terms"], ids=["default", "split", "local", "terms"])
 def test_kernels_forget_gate_of_minus_inf(gate, schedule):
