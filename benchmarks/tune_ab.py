@@ -194,7 +194,9 @@ def run_ab(args, result) -> None:
             row[f"{name}_package"] = runs[name][0][i]["package"]
             if name != first:
                 a, b = (torch.load(os.path.join(work, f"{n}.{i}.pt")) for n in (name, first))
-                row[f"{name}_rel_err_vs_{first}"] = max(harness.rel_err(x, y) for x, y in zip(a, b))
+                errs = {t: harness.rel_err(x, y) for t, x, y in zip(("o", "dq", "dk", "dv", "dg"), a, b)}
+                row[f"{name}_rel_err_vs_{first}"] = max(errs.values())
+                row[f"{name}_worst_vs_{first}"] = max(errs, key=errs.get)
         result.rows.append(row)
 
 
@@ -212,6 +214,7 @@ def run(args):
     names = [v.split("=", 1)[0] for v in args.versions.split(",")]
     cols = [("case", "case", "")] + [(f"{n} {kind}", f"{n}_{kind}_ms", ".3f") for kind in ("fwd", "bwd") for n in names]
     cols += [(f"{n} rel err vs {names[0]}", f"{n}_rel_err_vs_{names[0]}", ".1e") for n in names[1:]]
+    cols += [(f"{n} in", f"{n}_worst_vs_{names[0]}", "") for n in names[1:]]
     result.notes.append("ms: the best of the rounds' medians, CUDA-graph replays")
     result.sections.append(report.table(result.rows, cols))
     return result
