@@ -138,7 +138,7 @@ def _step_terms(p: Packed, do: torch.Tensor, dht: torch.Tensor) -> torch.Tensor:
     measured against them, as no fp32 sum beats their rounding."""
     T, H = p.v.shape[1], p.g_gamma.shape[0]
     g = p.g_gamma.detach().double().expand(1, T, H).clone().requires_grad_()
-    o, ht = reference(replace(p, g=g, g_gamma=None))
+    o, ht = reference(replace(p, g=g, g_gamma=None, gate=GateFn()))  # g is the log gate itself
     (dg,) = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [g])
     return dg.abs().sum(dim=(0, 1))
 
