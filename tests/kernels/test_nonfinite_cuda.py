@@ -17,12 +17,15 @@ FINITE_TOL = 2e-2  # bf16 inputs against the fp32 loop, on the finite entries
 
 
 def inputs(B, T, H, K, V, gate):
+    """q, k, v, g, g_gamma (one of the gates None)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(B, T, H, K, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(B, T, H, V, device="cuda", generator=gen, dtype=torch.bfloat16)
+    if gate == "constant":
+        return q, k, v, None, -torch.rand(H, device="cuda", generator=gen) / 16
     gshape = (B, T, H, K) if gate == "vector" else (B, T, H)
     g = (F.logsigmoid(torch.randn(gshape, device="cuda", generator=gen)) / 16).to(torch.bfloat16)
-    return q, k, v, g
+    return q, k, v, g, None
 
 
 def assert_like_loop(got, want, nan_only: bool, what: str) -> None:
@@ -36,25 +39,26 @@ def assert_like_loop(got, want, nan_only: bool, what: str) -> None:
     assert err < FINITE_TOL, f"{what}: finite entries off by {err:.1e}"
 
 
-@pytest.mark.parametrize("gate", ["vector", "scalar"])
+@pytest.mark.parametrize("gate", ["vector", "scalar", "constant"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_nonfinite_values_propagate_as_in_the_loop(shape, gate):
     from gla_inductor.reference import naive_recurrent_gla
     from gla_inductor.kernels import chunk as kchunk
 
     B, T, H, K, V = shape
-    q, k, v, g = inputs(B, T, H, K, V, gate)
+    q, k, v, g, g_gamma = inputs(B, T, H, K, V, gate)
     poison = {(0, 1): (T * 2 // 5, 7, float("nan")), (B - 1, 0): (T * 3 // 4, V - 3, float("inf"))}
     for (b, h), (t, c, value) in poison.items():
         v[b, t, h, c] = value
-    runs = [kchunk.forward(GLACall(q, k, v, g, None, None, K**-0.5, True, False)) for _ in range(3)]
+    runs = [kchunk.forward(GLACall(q, k, v, g, g_gamma, None, K**-0.5, True, False)) for _ in range(3)]
     for o, ht in runs[1:]:
         assert torch.equal(o.nan_to_num(), runs[0][0].nan_to_num()) and torch.equal(ht.nan_to_num(),
                                                                                      runs[0][1].nan_to_num())
     o, ht = runs[0]
     for (b, h), (t, c, value) in poison.items():
-        sl = [x[b:b + 1, :, h:h + 1].float() for x in (q, k, v, g)]
-        o_ref, ht_ref = naive_recurrent_gla(*sl, scale=K**-0.5, output_final_state=True)
+        sl = [None if x is None else x[b:b + 1, :, h:h + 1].float() for x in (q, k, v, g)]
+        gamma = None if g_gamma is None else g_gamma[h:h + 1]
+        o_ref, ht_ref = naive_recurrent_gla(*sl, g_gamma=gamma, scale=K**-0.5, output_final_state=True)
         nan_only = value != value
         assert_like_loop(o[b:b + 1, :, h:h + 1], o_ref, nan_only, f"o of head ({b}, {h})")
         assert_like_loop(ht[b:b + 1, h:h + 1], ht_ref, nan_only, f"final state of head ({b}, {h})")
