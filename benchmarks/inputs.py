@@ -69,6 +69,16 @@ def sweep_inputs(shape, gate: str):
     return gla_inputs(B, T, H, K, V, gate=gate, gate_dtype=torch.bfloat16)
 
 
+def ab_inputs(B: int, T: int, H: int, K: int, V: int, gate: str, device: str = "cuda") -> tuple:
+    """q, k, v, g, g_gamma of ``tune ab``: the sweeps' bf16 gate for "vector", "scalar" and "none",
+    and for "constant" no g and a seeded g_gamma [H] in (-1/16, 0]."""
+    if gate != "constant":
+        return (*gla_inputs(B, T, H, K, V, gate=gate, device=device, gate_dtype=torch.bfloat16), None)
+    q, k, v, _ = gla_inputs(B, T, H, K, V, gate="none", device=device)
+    gen = torch.Generator(device=device).manual_seed(2)
+    return q, k, v, None, -torch.rand(H, device=device, generator=gen) / 16
+
+
 def state(B: int, H: int, K: int, V: int, *, device: str = "cuda", seed: int = 1) -> torch.Tensor:
     """A random fp32 recurrent state [B, H, K, V] (a decode cache)."""
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -29,7 +29,7 @@ CASES = ("8,2048,16,128,128:vector;1,8192,96,128,128:vector;8,2048,4,256,512:vec
          "8,1024,8,64,64:vector;2,16384,16,128,128:vector;8,2048,16,128,128:scalar")
 
 # gla_chunk_carry's output in TERMS mode: v^T A^T, then S^T q^T
-_TERMS_INTRA = "_gla_dot(b_wt, b_At.to(DOT_DTYPE), F32_PRECISION)"
+_TERMS_INTRA = "_gla_dot({{WA}}, b_At.to(DOT_DTYPE), F32_PRECISION)"
 _TERMS_INTER = "_gla_dot(b_s.to(DOT_DTYPE), tl.trans(b_x), F32_PRECISION) * b_xf[None, :]"
 _TERMS_OUT = f"b_o = {_TERMS_INTRA}\n        b_o = b_o + {_TERMS_INTER}"
 
@@ -102,7 +102,7 @@ def add_arguments(p) -> None:
     g.add_argument("--bwd", action="store_true", help="time forward + backward (output: dq)")
     g = p.add_argument_group("ab")
     g.add_argument("--versions", help="name=folder,... (each folder holds a gla_inductor package)")
-    g.add_argument("--cases", default=CASES, help="'B,T,H,K,V:gate;...'")
+    g.add_argument("--cases", default=CASES, help="'B,T,H,K,V:gate;...' (gate: vector, scalar, constant, none)")
 
 
 def run_ablate(args, result) -> None:
@@ -151,13 +151,14 @@ rows = []
 for i, case in enumerate(sys.argv[1].split(";")):
     shape, gate = case.split(":")
     B, T, H, K, V = map(int, shape.split(","))
-    q, k, v, g = inputs.gla_inputs(B, T, H, K, V, gate=gate, gate_dtype=torch.bfloat16)
+    q, k, v, g, g_gamma = inputs.ab_inputs(B, T, H, K, V, gate)
     # seeded as the inputs: the outputs of the versions are compared (the gradients with do)
     do = torch.randn(v.shape, device=v.device, generator=torch.Generator(v.device).manual_seed(1)).to(v.dtype)
-    fwd = lambda: torch.ops.gla_inductor.chunk_fwd(q, k, v, g, None, None, K ** -0.5, False, False)[0]
-    bwd = lambda: torch.ops.gla_inductor.chunk_bwd(q, k, v, g, None, None, do, None, K ** -0.5, False)
+    fwd = lambda: torch.ops.gla_inductor.chunk_fwd(q, k, v, g, g_gamma, None, K ** -0.5, False, False)[0]
+    bwd = lambda: torch.ops.gla_inductor.chunk_bwd(q, k, v, g, g_gamma, None, do, None, K ** -0.5, False)
     with torch.no_grad():
-        torch.save([t.cpu() for t in (fwd(), *bwd()[:4])], f"{sys.argv[2]}.{i}.pt")
+        dq, dk, dv, dg, dg_gamma, _ = bwd()
+        torch.save([t.cpu() for t in (fwd(), dq, dk, dv, dg if g_gamma is None else dg_gamma)], f"{sys.argv[2]}.{i}.pt")
         t = harness.measure({"fwd": fwd, "bwd": bwd}, clock="graph", rounds=2)
     rows.append(dict(case=case, package=os.path.dirname(gla_inductor.__file__), fwd_ms=t["fwd"].median,
                      bwd_ms=t["bwd"].median))

@@ -174,3 +174,24 @@ def test_models_quick_on_cpu(capsys):
     """transformers' Mamba2 at tiny shapes on CPU (minutes: it compiles every phase)."""
     pytest.importorskip("transformers")
     assert cli.main(["models", "--quick"]) == 0
+
+
+def test_tune_ab_patches_find_their_text():
+    """Every ablation of ``tune ab`` finds the source it replaces (a stale one would fail on the GPU)."""
+    from benchmarks import tune_ab
+    from gla_inductor.kernels import standalone
+
+    for name, patches in tune_ab.PATCHES.items():
+        for template, old, _ in patches:
+            assert old in standalone.load_template(template), f"{name}: {old!r} not in {template}"
+
+
+@pytest.mark.parametrize("gate", ["vector", "scalar", "constant", "none"])
+def test_tune_ab_inputs_of_every_gate(gate):
+    from benchmarks import inputs
+
+    q, k, v, g, g_gamma = inputs.ab_inputs(1, 8, 2, 16, 16, gate, device="cpu")
+    assert q.shape == (1, 8, 2, 16) and v.shape == (1, 8, 2, 16)
+    assert (g is None) == (gate in ("constant", "none")) and (g_gamma is None) == (gate != "constant")
+    if g_gamma is not None:
+        assert g_gamma.shape == (2,) and bool((g_gamma <= 0).all())
