@@ -158,7 +158,8 @@ for i, case in enumerate(sys.argv[1].split(";")):
     bwd = lambda: torch.ops.gla_inductor.chunk_bwd(q, k, v, g, g_gamma, None, do, None, K ** -0.5, False)
     with torch.no_grad():
         dq, dk, dv, dg, dg_gamma, _ = bwd()
-        torch.save([t.cpu() for t in (fwd(), dq, dk, dv, dg if g_gamma is None else dg_gamma)], f"{sys.argv[2]}.{i}.pt")
+        outs = (fwd(), dq, dk, dv, dg if g_gamma is None else dg_gamma)
+        torch.save([t.cpu() for t in outs], f"{sys.argv[2]}.{i}.pt")
         t = harness.measure({"fwd": fwd, "bwd": bwd}, clock="graph", rounds=2)
     rows.append(dict(case=case, package=os.path.dirname(gla_inductor.__file__), fwd_ms=t["fwd"].median,
                      bwd_ms=t["bwd"].median))
