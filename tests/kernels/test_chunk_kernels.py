@@ -60,6 +60,22 @@ def _mixed_gate(shape, generator):
     return g
 
 
+def _gentle_gate(shape, generator):
+    """GLA's gates, logsigmoid / 16: 64-step sums near -5 in log2 units."""
+    return _logsigmoid_gate(shape, generator) / 16
+
+
+def _threshold_gate(shape, generator):
+    """Scalar log gates (B, T, H) whose 64-step chunk sums sit on both sides of the bound where the
+    terms carry's decays turn from an outer product of per-step factors into an exponential per
+    pair (every |G| <= 16 in log2 units, gla_common._gla_cumsum_decays): sums of about -8, -15.5,
+    -16.5 and -40 in chunks 0-3, then again, each step's gate +-10% of its chunk's mean."""
+    T = shape[1]
+    sums = torch.tensor([8.0, 15.5, 16.5, 40.0]).repeat_interleave(64).repeat(T // 256 + 1)[:T]
+    mean = -sums * 0.6931471805599453 / 64  # natural-log units per step
+    return mean.view(1, T, 1) * (1 + 0.2 * (torch.rand(shape, generator=generator) - 0.5))
+
+
 @dataclass(frozen=True)
 class Case:
     gate: str  # "vector" | "scalar" | "const" | "none"
@@ -188,6 +204,12 @@ CASES = [
     Case("const", T=300, H=2, K=20, V=12, ht=True, segments=3, terms=True),
     Case("none", T=130, K=20, V=12, h0=True, ht=True, segments=4, terms=True),
     Case("scalar", T=300, H=2, K=32, V=32, dtype=bf16, ht=True, segments=3, terms=True),
+    # chunks on both sides of the bound of the decays' outer product, and gentle ones only
+    Case("scalar", T=300, H=2, K=32, V=32, h0=True, ht=True, gate_fn=_threshold_gate, terms=True),
+    Case("scalar", T=300, H=2, K=32, V=32, dtype=bf16, ht=True, reverse=True, gate_fn=_threshold_gate, segments=3,
+         terms=True),
+    Case("scalar", B=2, T=130, H=2, K=32, V=32, h0=True, ht=True, reverse=True, gate_fn=_gentle_gate, terms=True),
+    Case("const", T=200, H=2, K=20, V=12, h0=True, ht=True, gate_fn=_gentle_gate, terms=True),
 ]
 
 
