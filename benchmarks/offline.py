@@ -5,8 +5,10 @@
            (8, 2048, 16, --k, --v) in bf16, compiles it with ``triton.compile`` for a
            ``GPUTarget("cuda", 90, 32)`` and runs the ptxas bundled with Triton on the PTX: registers,
            spills, and ptxas's warning where it serializes the wgmma instructions. --dump writes the
-           TTIR, TTGIR and PTX. Register counts depend on the Triton version: put the GPU machine's
-           first on PYTHONPATH to see its counts.
+           TTIR, TTGIR and PTX. Register counts depend on the Triton version, and so does whether a
+           template compiles at all (triton 3.6's loop pipeliner rejected code that 3.7.1 compiled):
+           put the GPU machine's first on PYTHONPATH (``pip install --no-deps --target DIR
+           triton==3.6.0``, then ``PYTHONPATH=DIR:$PWD``) to see its counts and failures.
   ncu-hot  ``python -m benchmarks profile ncu-hot --csv sass.csv``: an Nsight Compute SASS source page
            summarized: stall samples by instruction kind, and the hottest instructions.
 """
