@@ -33,7 +33,8 @@ TENSORS = {
     "q": (4, "bf16"), "k": (4, "bf16"), "v": (4, "bf16"), "g": (4, "bf16"), "g_gamma": (1, "fp32"),
     "x": (4, "bf16"), "y": (4, "bf16"), "A": (4, "bf16"), "ks": (4, "bf16"), "qs": (4, "bf16"), "dl": (4, "fp32"),
     "h0": (4, "fp32"), "ht": (4, "fp32"), "h": (5, "bf16"), "do": (4, "bf16"), "dh": (5, "bf16"),
-    "dk": (4, "bf16"), "dg": (4, "fp32"), "gate_a": (1, "fp32"), "gate_bias": (2, "fp32"),
+    "dk": (4, "bf16"), "dg": (4, "fp32"), "gate_a": (1, "fp32"), "gate_bias": (2, "fp32"), "ds": (4, "fp32"),
+    "hs": (5, "fp32"),
 }
 _CARRY = dict(USE_H0=False, SEGMENTS=1, SEGMENT_SUMS=False)
 MODES = {  # template, extra options, main output (rank, dtype)
@@ -47,6 +48,13 @@ MODES = {  # template, extra options, main output (rank, dtype)
                                             **_CARRY), (4, "bf16")),
     "carry_states": ("gla_chunk_carry", dict(WRITE_OUT=False, DUAL=False, STORE_STATES=True, STORE_HT=False, **_CARRY),
                      (5, "bf16")),
+    # a segmented walk's first launch: each segment's state from a zero start, and its decay
+    "carry_sums": ("gla_chunk_carry", dict(WRITE_OUT=False, DUAL=False, STORE_STATES=False, STORE_HT=False, USE_H0=False,
+                                           SEGMENTS=8, SEGMENT_SUMS=True), (5, "fp32")),
+    "carry_terms_sums": ("gla_chunk_carry", dict(WRITE_OUT=False, DUAL=False, STORE_STATES=False, STORE_HT=False,
+                                                 USE_H0=False, TERMS=True, SEGMENTS=8, SEGMENT_SUMS=True), (5, "fp32")),
+    "segsum": ("gla_chunk_segsum", dict(DUAL=False, SEGMENTS=8), (5, "fp32")),
+    "segsum_dual": ("gla_chunk_segsum", dict(DUAL=True, SEGMENTS=8), (5, "fp32")),
     "local": ("gla_chunk_local", dict(TRANSPOSE=False), (4, "bf16")),
     "local_t": ("gla_chunk_local", dict(TRANSPOSE=True), (4, "bf16")),
     "dqkg": ("gla_chunk_bwd_dqkg", dict(), (4, "bf16")),
@@ -89,7 +97,7 @@ def sm90_options(args, template: str, extra: dict) -> tuple:
         options["PRELOAD"] = options["PRELOAD"] if args.preload is None else bool(args.preload)
     ranks = {n: r for n, (r, _) in TENSORS.items()}
     if args.gate == "scalar":
-        ranks["g"] = ranks["dl"] = 3
+        ranks["g"] = ranks["dl"] = ranks["ds"] = 3
     dtypes = {n: "fp32" if args.fp32 else d for n, (_, d) in TENSORS.items()}
     return options, ranks, dtypes
 

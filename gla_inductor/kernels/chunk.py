@@ -204,29 +204,33 @@ class _Launcher:
         in parallel over the segments."""
         tiles = self.cfg.carry
         store_ht = ht is not None and ht.numel() > 0
+        splits = 1
         if sums is None and segments > 1:
-            sums = self.segment_sums(y, v, dl, dual, segments, terms)
+            splits = self.cfg.sum_splits
+            sums = self.segment_sums(y, v, dl, dual, segments, terms, splits=splits)
         hs, ds = sums or (None, None)
         options = dict(carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
-                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments, terms=terms),
-                       BV=tiles.block_v)
+                                     use_h0=h0 is not None, store_ht=store_ht, segments=segments, terms=terms,
+                                     splits=splits), BV=tiles.block_v)
         tensors = dict(x=x, A=A, y=y, v=v, dl=dl) if not terms else dict(q=x, k=y, v=v, **self.gates)
         tensors.update(h0=h0, hs=hs, ds=ds, h=h, ht=ht if store_ht else None, cu_seqlens=self.cu_seqlens)
         grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
         _launch("gla_chunk_carry", options, tensors, out, grid, tiles)
 
     def segment_sums(self, y: Tensor, v: Tensor, dl: Optional[Tensor], dual: bool, segments: int,
-                     terms: bool = False, every: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                     terms: bool = False, every: bool = False, splits: int = 1) -> tuple[Tensor, Optional[Tensor]]:
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs [B, P, H, K, V], ds [B, P, H(, K)] or None), the
         state each of the P segments leaves from a zero start and the decay across it; the last
-        segment's only with ``every`` (SUMS_ALL), which the walk never reads."""
+        segment's only with ``every`` (SUMS_ALL), which the walk never reads. With ``splits`` > 1
+        each segment's in that many pieces (P * splits of them), which the walk folds."""
         tiles = self.cfg.carry
-        hs = torch.empty(self.N, segments, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
-        ds = self._segment_decays(segments)
+        pieces = segments * splits
+        hs = torch.empty(self.N, pieces, self.H, self.K, self.V, dtype=torch.float32, device=self.device)
+        ds = self._segment_decays(pieces)
         tensors = dict(k=y, v=v, **self.gates, ds=ds) if terms else dict(y=y, v=v, dl=dl, ds=ds)
         options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms,
-                                     sums_all=every), BV=tiles.block_v)
-        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, segments)
+                                     sums_all=every, splits=splits), BV=tiles.block_v)
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, pieces)
         _launch("gla_chunk_carry", options, dict(tensors, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
         return hs, ds
 

@@ -80,6 +80,9 @@ class ChunkConfig:
     # segments of the carries' walks, each walked by its own programs (``carry_segments``); 1: one
     # walk over all chunks
     segments: int = 1
+    # pieces of each carry segment's sums, each summed by its own program (more programs for the
+    # sums' launch) and folded by the walk; 1: one per segment
+    sum_splits: int = 1
     # segments of the fused (and split) schedules' gla_chunk_scan walks, each walked by its own
     # programs after a gla_chunk_segsum launch (``scan_segments``): the forward's scan, and the
     # backward's states and dual scans; 1: one walk over all chunks
@@ -172,7 +175,7 @@ def segsum_options(options: dict, *, dual: bool, segments: int) -> dict:
 
 
 def carry_options(options: dict, *, dual: bool, segments: int, segment_sums: bool = False, terms: bool = False,
-                  sums_all: bool = False, **mode) -> dict:
+                  sums_all: bool = False, splits: int = 1, **mode) -> dict:
     """gla_chunk_carry's options: the scan's modes (``mode``: write_out, store_states, use_h0,
     store_ht), its segments, SEGMENT_SUMS, which takes none of the modes (with SUMS_ALL, the last
     segment's sums too), and TERMS (the chunk terms computed from q, k and the gate)."""
@@ -182,6 +185,8 @@ def carry_options(options: dict, *, dual: bool, segments: int, segment_sums: boo
                    TERMS=terms)
     if sums_all:  # only where asked: the other renders keep their sources (and compiled kernels)
         options["SUMS_ALL"] = True
+    if splits > 1:
+        options["SPLITS"] = splits
     return options
 
 
@@ -300,6 +305,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
     block_v = min(BV, 64 if BK <= 128 else 32)
     carry_v = 64
     segments = 1
+    sum_splits = 1
     NT = math.ceil(T / block_t)
     # the fused scans' segments: scalar, constant and no gates where the fused schedule runs (vector
     # gates keep one walk: below K = 64 not measured, from K = 64 they take the local schedule)
@@ -345,6 +351,12 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         # program per SM) measured 4-8% faster in segments on an earlier tree, and 13-16% slower in
         # later A/B runs on an H100 and an H200 (results/h100-2026-11-28-terms-stages.md)
         carry_v, carry_warps, segments = 64, 4, terms_p
+        # each segment's sums in two pieces where the walk has 2 or 4 segments at K > 64: their
+        # launch had one program per SM or fewer, each summing a whole segment, and twice the
+        # programs of half the chunks cost 25-29 -> 19-21 us for one more fold step per segment;
+        # with 8 segments, or at K = 64 (many programs already), the longer folds cost more than
+        # that saved (results/h200-2026-11-29-sum-splits.md)
+        sum_splits = 2 if BK > 64 and segments in (2, 4) else 1
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
     # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
@@ -368,6 +380,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         carry=TileConfig(block_v=carry_v, num_warps=carry_warps, num_stages=carry_stages),
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
         segments=segments,
+        sum_splits=sum_splits,
         # the segments' sums do the states walk's work (one dot per chunk): value tiles of 64 make
         # as many programs as the forward's walk in segments (offline for sm_90 at K = 128: 112
         # registers with 8 warps, no spills; untimed)

@@ -62,7 +62,9 @@ def _scan_grid(BH, V, meta, *, cdiv):
     """How are gla_chunk_scan, gla_chunk_segsum and gla_chunk_carry parallelized? One program per
     (value tile, batch * head) walks all chunks in order with its state slice on chip, or, in a walk
     cut into segments, the chunks of its segment (see ``kernels.chunk.scan_grid``)."""
-    return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1))
+    # the sums of segments in SPLITS pieces: a program per piece
+    pieces = meta.get("SPLITS", 1) if meta.get("SEGMENT_SUMS") else 1
+    return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1) * pieces)
 
 
 @SymbolicGridFn
@@ -323,30 +325,34 @@ class _Plan:
         default): its max-autotune space is not explored yet."""
         extra = dict(self.gates) if terms else {}
         tensors = {n: t for n, t in {**tensors, **extra, "cu_seqlens": self.cu_seqlens}.items() if t is not None}
+        splits = 1
         if sums is None and segments > 1:
             y = tensors["k" if terms else "y"]
-            sums = self.segment_sums(y, tensors["v"], tensors.get("dl"), dual, segments, terms)
+            splits = self.cfg.sum_splits
+            sums = self.segment_sums(y, tensors["v"], tensors.get("dl"), dual, segments, terms, splits=splits)
         if sums is not None:
             hs, ds = sums
             tensors.update(hs=hs, **({} if ds is None else dict(ds=ds)))
         options = carry_options(self.options, write_out=write_out, dual=dual, store_states=store_states,
-                                use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments, terms=terms)
+                                use_h0="h0" in tensors, store_ht="ht" in tensors, segments=segments, terms=terms,
+                                splits=splits)
         tiles = self.cfg.carry
         return self._select(CARRY, options, tensors, layout, [self.N * self.H, self.V],
                             [dict(BV=tiles.block_v, tiles=tiles)])
 
-    def segment_sums(self, y, v, dl, dual: bool, segments: int, terms: bool = False, every: bool = False):
+    def segment_sums(self, y, v, dl, dual: bool, segments: int, terms: bool = False, every: bool = False,
+                     splits: int = 1):
         """gla_chunk_carry's SEGMENT_SUMS mode: (hs, ds), the state each segment leaves from a zero
         start (main output) and the decay across it (None without a gate); the last segment's only
-        with ``every`` (SUMS_ALL)."""
+        with ``every`` (SUMS_ALL). With ``splits`` > 1 each segment's in that many pieces."""
         N, H = self.N, self.H  # the states' batch: the sequences, where packed
-        ds = self._segment_decays(segments)
+        ds = self._segment_decays(segments * splits)
         named = dict(k=y, v=v, **self.gates, ds=ds) if terms else dict(y=y, v=v, dl=dl, ds=ds)
         tensors = {n: t for n, t in dict(named, cu_seqlens=self.cu_seqlens).items() if t is not None}
         options = carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms,
-                                sums_all=every)
+                                sums_all=every, splits=splits)
         tiles = self.cfg.carry
-        layout = _layout(self.device, torch.float32, (N, segments, H, self.K, self.V))
+        layout = _layout(self.device, torch.float32, (N, segments * splits, H, self.K, self.V))
         hs = self._select(CARRY, options, tensors, layout, [N * H, self.V], [dict(BV=tiles.block_v, tiles=tiles)])
         return hs, ds
 

@@ -95,6 +95,7 @@ class Case:
     split: bool = False  # the split schedule: states scans, then chunk-parallel outputs
     local: bool = False  # the forward's local schedule: chunk-local terms, then the carry scan
     segments: int = 1  # the local forward's carry cut into segments walked in parallel
+    sum_splits: int = 1  # each segment's sums in this many pieces, which the walk folds
     terms: bool = False  # the forward as one carry computing its chunk terms (scalar, constant, no gate)
 
     @property
@@ -104,6 +105,8 @@ class Case:
                   if getattr(self, name)]
         if self.segments > 1:
             parts.append(f"segments{self.segments}")
+        if self.sum_splits > 1:
+            parts.append(f"splits{self.sum_splits}")
         if self.gate_fn is not _logsigmoid_gate:
             parts.append(self.gate_fn.__name__.strip("_"))
         return "-".join(parts)
@@ -204,6 +207,17 @@ CASES = [
     Case("const", T=300, H=2, K=20, V=12, ht=True, segments=3, terms=True),
     Case("none", T=130, K=20, V=12, h0=True, ht=True, segments=4, terms=True),
     Case("scalar", T=300, H=2, K=32, V=32, dtype=bf16, ht=True, segments=3, terms=True),
+    # segments' sums in pieces: 5 chunks in 2 segments of 2 pieces (pieces of 2, 2, 1 and none), in 3
+    # of 2 (pieces of 1; the last segment empty), 3 chunks in 2 of 3; the local schedule's carries,
+    # forward and backward, likewise
+    Case("scalar", B=2, T=300, H=2, K=32, V=32, h0=True, ht=True, reverse=True, segments=2, sum_splits=2,
+         terms=True),
+    Case("const", T=300, H=2, K=20, V=12, dtype=bf16, ht=True, segments=3, sum_splits=2, terms=True),
+    Case("none", T=130, K=20, V=12, h0=True, ht=True, segments=2, sum_splits=3, terms=True),
+    Case("scalar", T=300, H=2, K=32, V=32, h0=True, ht=True, gate_fn=_threshold_gate, segments=2, sum_splits=2,
+         terms=True),
+    Case("vector", T=300, H=2, K=32, V=32, h0=True, ht=True, reverse=True, local=True, segments=2, sum_splits=2),
+    Case("scalar", T=300, H=2, K=32, V=32, dtype=bf16, h0=True, ht=True, local=True, segments=3, sum_splits=2),
     # chunks on both sides of the bound of the decays' outer product (both paths on the newest
     # triton too), and gentle ones only
     pytest.param(Case("scalar", T=300, H=2, K=32, V=32, h0=True, ht=True, gate_fn=_threshold_gate, terms=True),
@@ -250,7 +264,8 @@ def test_chunk_fwd_bwd_match_reference(case: Case):
     scale = case.K**-0.5
     config = kconfigs.default_config(case.B, case.T, case.H, case.K, case.V, case.dtype, case.gate == "vector",
                                          q.device)
-    config = dataclasses.replace(config, split=case.split, local=case.local, segments=case.segments, terms=case.terms)
+    config = dataclasses.replace(config, split=case.split, local=case.local, segments=case.segments,
+                                 sum_splits=case.sum_splits, terms=case.terms)
     o, ht = kchunk.forward(GLACall(q, k, v, g, g_gamma, h0, scale, case.ht, case.reverse), config=config)
     grads = kchunk.backward(GLACall(q, k, v, g, g_gamma, h0, scale, reverse=case.reverse), do, dht, config=config)
     ref_o, ref_ht, ref_grads = _reference(q, k, v, g, g_gamma, h0, do, dht, scale, case.reverse)

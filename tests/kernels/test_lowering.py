@@ -186,19 +186,22 @@ def test_carries_in_segments(gate, monkeypatch):
         assert rel_norm_err(x[name].grad, want) < 1e-4, name
 
 
-@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("segments, splits", [(1, 1), (2, 1), (2, 3)])
 @pytest.mark.parametrize("gate", ["scalar", "constant", "none"])
-def test_carry_computing_its_terms(gate, segments, monkeypatch):
+def test_carry_computing_its_terms(gate, segments, splits, monkeypatch):
     """The forward as one carry that computes its chunk terms from q, k and the gate (TERMS; forced
-    here): no chunk-local kernel, the carry alone (after its segments' sums); a pointwise consumer
-    fused into its store; o, the final state and the gradients (the fused scans' backward) exact."""
+    here): no chunk-local kernel, the carry alone (after its segments' sums, in pieces with
+    splits); a pointwise consumer fused into its store; o, the final state and the gradients (the
+    fused scans' backward) exact."""
     from gla_inductor.lowerings import chunk as lowering
 
     def with_terms(*args):
-        return dataclasses.replace(kconfigs.default_config(*args), local=False, terms=True, segments=segments)
+        return dataclasses.replace(kconfigs.default_config(*args), local=False, terms=True, segments=segments,
+                                   sum_splits=splits)
 
     monkeypatch.setattr(lowering, "default_config", with_terms)
-    x = _inputs(1, 150, 2, 16, 24, gate, h0=True)  # 3 chunks: segments of 2 and 1
+    # 3 chunks: segments of 2 and 1; in pieces, 5 chunks: segments of 3 and 2, the second folding 3 pieces
+    x = _inputs(1, 150 if splits == 1 else 300, 2, 16, 24, gate, h0=True)
 
     @torch.compile(fullgraph=True)
     def fwd(x):

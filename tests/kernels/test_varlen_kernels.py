@@ -120,6 +120,20 @@ def test_local_and_split_configs_run_the_fused_schedule():
         assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
 
 
+@pytest.mark.parametrize("segments, splits", [(2, 1), (3, 2)])
+def test_terms_carry_in_segments_cuts_each_sequence(segments, splits):
+    """The scalar forward's carry (TERMS) in segments, their sums in pieces: each sequence cut into
+    its own, lengths 0, 1 and around the chunk's among them."""
+    p = _on_device(make([2 * C + 3, 0, 1, C - 1, C, C + 1, 3 * C], gate="scalar", K=16, V=16, h0=True))
+    call = GLACall(p.q.detach(), p.k.detach(), p.v.detach(), p.g.detach(), None, p.h0.detach(), p.scale, True,
+                   cu_seqlens=p.cu_seqlens)
+    base = default_config(7, 7 * C, 2, 16, 16, torch.float32, False, torch.device(DEVICE), True)
+    cfg = dataclasses.replace(base, local=False, terms=True, segments=segments, sum_splits=splits)
+    o, ht = chunk_kernels.forward(call, cfg)
+    ref_o, ref_ht = reference(p)
+    assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
+
+
 @pytest.mark.parametrize("block_t", [16, 32])
 def test_short_chunks_find_their_sequences(block_t):
     """Many short sequences in chunks of 16 or 32 steps: state slots without a chunk among those
