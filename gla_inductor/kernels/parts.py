@@ -53,8 +53,10 @@ def config(call: GLACall) -> ChunkConfig:
 
 def cut(cfg: ChunkConfig) -> ChunkConfig:
     """A local schedule's config for its two halves: the walks in at least two segments (one
-    launch's sums, then the walk), as the Inductor lowerings also take it."""
-    return dataclasses.replace(cfg, local=True, split=False, terms=False, segments=max(2, cfg.segments))
+    launch's sums, then the walk), as the Inductor lowerings also take it; each segment's sums in
+    one piece (pieces are the terms carry's)."""
+    return dataclasses.replace(cfg, local=True, split=False, terms=False, segments=max(2, cfg.segments),
+                               sum_splits=1)
 
 
 def shapes(call: GLACall) -> dict[str, Optional[tuple[tuple, torch.dtype]]]:

@@ -437,12 +437,15 @@ def test_terms_schedule_segments_and_tiles(monkeypatch, fresh_default_config):
     def config(B, T, H, K, V, vector=False, dtype=torch.bfloat16):
         return kconfigs.default_config(B, T, H, K, V, dtype, vector, torch.device("cuda"))
 
-    measured = {(8, 2048, 16, 128, 128): 1, (8, 1024, 8, 64, 64): 4, (2, 4096, 16, 128, 128): 4,
-                (1, 8192, 16, 128, 128): 8, (1, 8192, 96, 64, 64): 8, (4, 2048, 16, 128, 128): 2}
-    for shape, segments in measured.items():
+    # (segments, pieces of each segment's sums): in two where 2 or 4 segments at K > 64
+    # (benchmarks/results/h200-2026-11-29-sum-splits.md)
+    measured = {(8, 2048, 16, 128, 128): (1, 1), (8, 1024, 8, 64, 64): (4, 1), (2, 4096, 16, 128, 128): (4, 2),
+                (1, 8192, 16, 128, 128): (8, 1), (1, 8192, 96, 64, 64): (8, 1), (4, 2048, 16, 128, 128): (2, 2)}
+    for shape, (segments, splits) in measured.items():
         cfg = config(*shape)
-        assert cfg.terms and not cfg.local and cfg.segments == segments, shape
+        assert cfg.terms and not cfg.local and (cfg.segments, cfg.sum_splits) == (segments, splits), shape
         assert cfg.carry == kconfigs.TileConfig(block_v=64, num_warps=4, num_stages=2), shape
+    assert config(8, 2048, 16, 128, 128, vector=True).sum_splits == 1  # the local schedule's carries: one piece
     assert config(1, 8192, 16, 128, 128, dtype=torch.float32).carry.num_stages == 1  # fp32 operands: one stage
     assert not config(8, 2048, 16, 128, 128, vector=True).terms  # vector gates: the local schedule
     assert not config(8, 2048, 4, 256, 256).terms and config(8, 2048, 4, 256, 256).local  # K = 256: local

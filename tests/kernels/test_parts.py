@@ -5,6 +5,8 @@ half from the parts equals the whole ``chunk_fwd`` / ``chunk_bwd`` on the same k
 gates whose schedule is the local one, reverse, grouped heads and chunk edges; the fakes' shapes;
 a clear error where the cut does not apply."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,9 +119,13 @@ def test_opcheck(gate):
 
 
 def test_config_walks_in_segments():
-    """Both halves run one config, with at least two segments (one launch's sums, then the walk)."""
+    """Both halves run one config, with at least two segments (one launch's sums, then the walk),
+    each segment's sums in one piece: the parts' hs holds one state per segment, whatever pieces the
+    call's own (terms carry) config cut its sums into."""
     call = GLACall.from_op_args(_fwd_args(_inputs("vector"), None))
     assert parts_kernels.config(call).segments >= 2 and parts_kernels.config(call).local
+    terms = dataclasses.replace(parts_kernels.config(call), local=False, terms=True, segments=4, sum_splits=2)
+    assert parts_kernels.cut(terms).sum_splits == 1 and parts_kernels.cut(terms).segments == 4
 
 
 def test_error_where_the_cut_does_not_apply():
