@@ -208,8 +208,8 @@ CASES = [
     Case("none", T=130, K=20, V=12, h0=True, ht=True, segments=4, terms=True),
     Case("scalar", T=300, H=2, K=32, V=32, dtype=bf16, ht=True, segments=3, terms=True),
     # segments' sums in pieces: 5 chunks in 2 segments of 2 pieces (pieces of 2, 2, 1 and none), in 3
-    # of 2 (pieces of 1; the last segment empty), 3 chunks in 2 of 3; the local schedule's carries,
-    # forward and backward, likewise
+    # of 2 (pieces of 1, segments of 2, 2 and 1), 3 chunks in 2 of 3 (the first segment takes all
+    # three, the second is empty); the local schedule's carries, forward and backward, likewise
     Case("scalar", B=2, T=300, H=2, K=32, V=32, h0=True, ht=True, reverse=True, segments=2, sum_splits=2,
          terms=True),
     Case("const", T=300, H=2, K=20, V=12, dtype=bf16, ht=True, segments=3, sum_splits=2, terms=True),
