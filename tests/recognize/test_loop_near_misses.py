@@ -168,3 +168,25 @@ def test_chunked_delta_rule_is_still_called_one():
     _, forms, near = near_misses(near_chunk_loop_delta, *chunk_args())
     assert forms == []
     assert any("delta-rule" in r for _, r, _ in near), near
+
+
+def test_decay_after_the_outer_product_is_named():
+    """S = (S + k^T v) * exp(g): the decay multiplies the step's own k^T v too, so the state the
+    loop reads is GLA's times exp(g_t), and the read carries that exponential. Left alone, and
+    explain says which input carries it (it said "an input factor is a exp")."""
+
+    def decay_after(q, k, v, g):
+        S = q.new_zeros(q.shape[0], H, D, D)
+        outs = []
+        for t in range(q.shape[1]):
+            S = (S + k[:, t, :, :, None] * v[:, t, :, None, :]) * g[:, t].exp()[..., None]
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, T, H, D, generator=gen) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, T, H, D, generator=gen))
+    out, forms, near = near_misses(decay_after, q, k, v, g)
+    assert forms == [] and rel_err(out, decay_after(q, k, v, g)) == 0
+    reasons = [r for f, r, _ in near if f == "loop"]
+    assert reasons and all("carry an exponential of the step's inputs" in r for r in reasons), near

@@ -306,10 +306,10 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
         raise Reject("the update has no value factor along V")
     (kf, k_inv), (vf, v_inv) = _divisors(kf), _divisors(vf)
     res = {
-        "k": _group(kf, 1.0, letters.of_var, ctx),
-        "v": _group(vf, st.outer[0], letters.of_var, ctx),
-        "k_inv": _group(k_inv, 1.0, letters.of_var, ctx) if k_inv else None,
-        "v_inv": _group(v_inv, 1.0, letters.of_var, ctx) if v_inv else None,
+        "k": _group(kf, 1.0, letters.of_var, ctx, role="keys"),
+        "v": _group(vf, st.outer[0], letters.of_var, ctx, role="values"),
+        "k_inv": _group(k_inv, 1.0, letters.of_var, ctx, role="keys") if k_inv else None,
+        "v_inv": _group(v_inv, 1.0, letters.of_var, ctx, role="values") if v_inv else None,
         "decay": _decay(st, letters.of_var, vvars, ctx),
         "q": None,
         "letters": letters,
@@ -319,7 +319,7 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
         if rd.state is not st.node:
             raise Reject("an output reads a state other than the one its step produced")
         rletter = read_letters(an, rd, st, letters)
-        res["q"] = _group(rd.q, 1.0, rletter, ctx, allow_empty=False)
+        res["q"] = _group(rd.q, 1.0, rletter, ctx, allow_empty=False, role="queries")
         if any(letters.role_of.get(c, c) == "v" for lf in res["q"][1].factors for c in lf.letters):
             raise Reject("the query is indexed by the value axis")
         res["scale"] = rd.coef
@@ -339,15 +339,20 @@ def _divisors(factors: list) -> tuple:
     return [f for f in factors if f.kind != "inv"], [f for f in factors if f.kind == "inv"]
 
 
-def _group(factors, coef, letter, ctx, allow_empty=True):
-    """(signature, Group) of a product of atoms."""
+# why a factor of the keys, values or queries is not a tensor the op can take, by its kind
+_NOT_A_TENSOR = {"exp": "an exponential of the step's inputs (a decay factor)", "tri": "a triangular mask"}
+
+
+def _group(factors, coef, letter, ctx, allow_empty=True, role="inputs"):
+    """(signature, Group) of a product of atoms: the ``role`` (keys, values, queries) of a step."""
     lfs = []
     for f in factors:
         if f.kind in ("const", "scalar"):
             lfs.append(lfactor(f.node, (), [_axis(e, letter, ctx) for e in f.idx]))
             continue
         if f.kind not in ("atom", "inv"):
-            raise Reject(f"an input factor is a {f.kind}, expected a tensor")
+            what = _NOT_A_TENSOR.get(f.kind, f"a {f.kind} factor")
+            raise Reject(f"the {role} carry {what}: expected tensors")
         lfs.append(_atom_lfactor(f, letter, ctx))
     if not lfs and not allow_empty:
         raise Reject("an output has no query factor")
