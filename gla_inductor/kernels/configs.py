@@ -351,11 +351,11 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         # program per SM) measured 4-8% faster in segments on an earlier tree, and 13-16% slower in
         # later A/B runs on an H100 and an H200 (results/h100-2026-11-28-terms-stages.md)
         carry_v, carry_warps, segments = 64, 4, terms_p
-        # each segment's sums in two pieces where the walk has 2 or 4 segments at K > 64: their
-        # launch had one program per SM or fewer, each summing a whole segment, and twice the
-        # programs of half the chunks cost 25-29 -> 19-21 us for one more fold step per segment;
-        # with 8 segments, or at K = 64 (many programs already), the longer folds cost more than
-        # that saved (results/h200-2026-11-29-sum-splits.md)
+        # each segment's sums in two pieces where the walk has 2 or 4 segments at K > 64: the sums'
+        # launch had 1-1.5 working programs per SM there, each summing a whole segment; twice the
+        # programs of half the chunks took 25-29 -> 19-21 us, for twice the fold steps at each
+        # walk's start. With 8 segments, or at K = 64, the longer folds cost more than that saved
+        # (results/h200-2026-11-29-sum-splits.md)
         sum_splits = 2 if BK > 64 and segments in (2, 4) else 1
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
