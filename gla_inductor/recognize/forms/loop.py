@@ -319,7 +319,7 @@ def _lift_step(an: Analyzer, st: Step, rd: Optional[Read], roles: Roles, time_ax
         if rd.state is not st.node:
             raise Reject("an output reads a state other than the one its step produced")
         rletter = read_letters(an, rd, st, letters)
-        res["q"] = _group(rd.q, 1.0, rletter, ctx, allow_empty=False, role="queries")
+        res["q"] = _group(rd.q, 1.0, rletter, ctx, role="queries", allow_empty=False)
         if any(letters.role_of.get(c, c) == "v" for lf in res["q"][1].factors for c in lf.letters):
             raise Reject("the query is indexed by the value axis")
         res["scale"] = rd.coef
@@ -343,7 +343,7 @@ def _divisors(factors: list) -> tuple:
 _NOT_A_TENSOR = {"exp": "an exponential of the step's inputs (a decay factor)", "tri": "a triangular mask"}
 
 
-def _group(factors, coef, letter, ctx, allow_empty=True, role="inputs"):
+def _group(factors, coef, letter, ctx, *, role: str, allow_empty=True):
     """(signature, Group) of a product of atoms: the ``role`` (keys, values, queries) of a step."""
     lfs = []
     for f in factors:
