@@ -34,7 +34,7 @@ TENSORS = {
     "x": (4, "bf16"), "y": (4, "bf16"), "A": (4, "bf16"), "ks": (4, "bf16"), "qs": (4, "bf16"), "dl": (4, "fp32"),
     "h0": (4, "fp32"), "ht": (4, "fp32"), "h": (5, "bf16"), "do": (4, "bf16"), "dh": (5, "bf16"),
     "dk": (4, "bf16"), "dg": (4, "fp32"), "gate_a": (1, "fp32"), "gate_bias": (2, "fp32"), "ds": (4, "fp32"),
-    "hs": (5, "fp32"),
+    "hs": (5, "fp32"), "cu_seqlens": (1, "i32"),
 }
 _CARRY = dict(USE_H0=False, SEGMENTS=1, SEGMENT_SUMS=False)
 MODES = {  # template, extra options, main output (rank, dtype)
@@ -78,6 +78,8 @@ def add_arguments(p) -> None:
     g.add_argument("--bks", type=int, help="gla_chunk_local's key slice")
     g.add_argument("--bkp", type=int, help="gla_chunk_local's key slice on its steep path")
     g.add_argument("--preload", type=int, choices=[0, 1], help="gla_chunk_local's PRELOAD")
+    g.add_argument("--varlen", action="store_true", help="packed sequences (IS_VARLEN)")
+    g.add_argument("--segments", type=int, help="the walk's SEGMENTS (packed: the carries' stream in segments)")
     p.add_argument_group("ncu-hot").add_argument("--csv", help="the SASS source page (ncu --page source --csv)")
 
 
@@ -90,7 +92,9 @@ def sm90_options(args, template: str, extra: dict) -> tuple:
     cfg = internals.ChunkConfig(**{**cfg.__dict__, "block_t": args.bt})
     gate_fn = internals.GateFn(args.gate_fn, 1 / 16) if args.gate_fn else internals.GateFn()
     dtype = torch.float32 if args.fp32 else torch.bfloat16
-    options = internals.sm90_kernel_options(template, cfg, dtype, args.k, args.gate, gate_fn, dict(extra, BV=args.bv))
+    extra = dict(extra, BV=args.bv, **({"SEGMENTS": args.segments} if args.segments else {}))
+    options = internals.sm90_kernel_options(template, cfg, dtype, args.k, args.gate, gate_fn, extra)
+    options["IS_VARLEN"] = bool(args.varlen)
     if template == "gla_chunk_local":
         options["BKS"] = args.bks or options["BKS"]
         options["BKP"] = min(args.bkp or options["BKP"], options["BKS"])
