@@ -190,3 +190,27 @@ def test_decay_after_the_outer_product_is_named():
     assert forms == [] and rel_err(out, decay_after(q, k, v, g)) == 0
     reasons = [r for f, r, _ in near if f == "loop"]
     assert reasons and all("carry an exponential of the step's inputs" in r for r in reasons), near
+
+
+def test_outer_product_shared_with_a_bonus_is_named():
+    """An RWKV-style loop, o_t = q_t (S_{t-1} + diag(u) k_t^T v_t), S_t = diag(w_t) S_{t-1} + k_t^T v_t:
+    k^T v is computed once and read twice, so the algebra keeps it a whole tensor and the update is a
+    sum of two state-like tensors, no GLA step (explain said nothing of it). Left alone, and named."""
+
+    def bonus_read(q, k, v, w, u):
+        S = q.new_zeros(q.shape[0], H, D, D)
+        outs = []
+        for t in range(q.shape[1]):
+            kv = k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * (S + u[:, :, None] * kv)).sum(-2))
+            S = S * w[:, t, :, :, None] + kv
+        return torch.stack(outs, 1)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, T, H, D, generator=gen) for _ in range(3))
+    w = torch.exp(-torch.exp(torch.randn(2, T, H, D, generator=gen)))
+    u = torch.randn(H, D, generator=gen)
+    out, forms, near = near_misses(bonus_read, q, k, v, w, u)
+    assert forms == [] and rel_err(out, bonus_read(q, k, v, w, u)) == 0
+    reasons = [r for f, r, _ in near if f == "loop"]
+    assert reasons and all("RWKV-style bonus" in r for r in reasons), near
