@@ -124,6 +124,9 @@ def schedule_configs(base, vector_gate: bool = False) -> list:
                 continue  # spills (offline sm_90 compile: `profile sm90 --mode carry_terms`)
             out.append((f"terms P={p} BV={bv} w={w}",
                         rep(base, local=False, terms=True, carry=TileConfig(bv, w, 2), segments=p)))
+        for p in (1, 2, 4, 8, 16):  # chunks of 32 steps: twice the walk's steps, each with a fourth of its dots
+            out.append((f"terms BT=32 P={p} BV=64 w=4",
+                        rep(base, local=False, terms=True, block_t=32, carry=TileConfig(64, 4, 2), segments=p)))
         for p in (1, 2, 4, 8, 16):  # three stages: 115 KB of shared memory at K = 128, one program per SM
             out.append((f"terms P={p} BV=64 w=4 s=3",
                         rep(base, local=False, terms=True, carry=TileConfig(64, 4, 3), segments=p)))
