@@ -79,7 +79,7 @@ def add_arguments(p) -> None:
     g.add_argument("--bkp", type=int, help="gla_chunk_local's key slice on its steep path")
     g.add_argument("--preload", type=int, choices=[0, 1], help="gla_chunk_local's PRELOAD")
     g.add_argument("--varlen", action="store_true", help="packed sequences (IS_VARLEN)")
-    g.add_argument("--segments", type=int, help="the walk's SEGMENTS (packed: the carries' stream in segments)")
+    g.add_argument("--segments", type=int, help="the walk's SEGMENTS (the mode's own by default)")
     p.add_argument_group("ncu-hot").add_argument("--csv", help="the SASS source page (ncu --page source --csv)")
 
 

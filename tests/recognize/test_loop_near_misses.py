@@ -214,3 +214,27 @@ def test_outer_product_shared_with_a_bonus_is_named():
     assert forms == [] and rel_err(out, bonus_read(q, k, v, w, u)) == 0
     reasons = [r for f, r, _ in near if f == "loop"]
     assert reasons and all("RWKV-style bonus" in r for r in reasons), near
+
+
+def test_shared_outer_product_keeps_the_decay_reason():
+    """A Mamba-1-style recurrence whose dB x (an outer product over D and N) is also summed
+    elsewhere: named as shared, and its decay over both axes still said."""
+
+    def shared_dbx(x, dt, A, Bm, C):
+        h = x.new_zeros(x.shape[0], D, 4)
+        ys, extra = [], 0
+        for t in range(x.shape[1]):
+            dbx = dt[:, t, :, None] * Bm[:, t, None, :] * x[:, t, :, None]
+            h = h * torch.exp(dt[:, t, :, None] * A) + dbx
+            extra = extra + dbx.sum()
+            ys.append((h * C[:, t, None, :]).sum(-1))
+        return torch.stack(ys, 1), extra
+
+    gen = torch.Generator().manual_seed(0)
+    x, dt = torch.randn(2, T, D, generator=gen), torch.rand(2, T, D, generator=gen)
+    A, Bm, C = -torch.rand(D, 4, generator=gen), torch.randn(2, T, 4, generator=gen), torch.randn(2, T, 4, generator=gen)
+    out, forms, near = near_misses(shared_dbx, x, dt, A, Bm, C)
+    assert forms == [] and rel_err(out[0], shared_dbx(x, dt, A, Bm, C)[0]) == 0
+    reasons = [r for f, r, _ in near if f == "loop"]
+    assert reasons and all("used outside the update" in r for r in reasons), near
+    assert any("decay acts over every axis" in r for r in reasons), near

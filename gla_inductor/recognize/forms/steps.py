@@ -325,12 +325,13 @@ def unsupported_update_reason(an: Analyzer, node: fx.Node) -> Optional[str]:
         return None  # a product summed over positions (a chunk's k^T v): the chunked form's to judge
     if len(av.terms) > 2:
         return "the update has more terms than a decay and an outer product"
-    if _shared_outer(an, av, node):
-        return ("the outer product k^T v the update adds is used outside the update too (e.g. an RWKV-style bonus "
-                "u k^T v added to the state before its update in the read); expected it used by the update alone")
     others = [m for m in av.terms if m not in selfish]
     if others and not _is_outer_product(others[0], av.out):
         why = "the update adds no outer product k^T v (elementwise recurrence)"
+        return why + _decay_over_all(selfish, states, av.out)
+    if _shared_outer(an, av, node):
+        why = ("the outer product k^T v the update adds is used outside the update too (e.g. an RWKV-style bonus "
+               "u k^T v added to the state before its update in the read); expected it used by the update alone")
         return why + _decay_over_all(selfish, states, av.out)
     return None
 
