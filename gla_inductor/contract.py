@@ -399,19 +399,20 @@ def validate_gate(fn: GateFn, q: Tensor, g: Optional[Tensor], gate_a, gate_bias,
                 raise ValueError(f"{api}: {name} is on {x.device} but q is on {q.device}")
 
 
-def validate_varlen(q, cu_seqlens, initial_state, *, api: str = "chunk_gla") -> None:
+def validate_varlen(q, cu_seqlens, initial_state, *, api: str = "chunk_gla", host_copy=None) -> None:
     """Clear errors for packed sequences: cu_seqlens an integer tensor [N + 1] of offsets from 0 up
     to T, never decreasing (sequences of length 0 are allowed), q [1, T, H, K], initial_state
     [N, H, K, V]. The offsets' values are read where that costs no synchronization with a device
     that may be capturing a CUDA graph: on the CPU, or outside graph capture and compilation (one
-    device-to-host copy for each new offsets tensor: ``_checked_before``)."""
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"{api}: cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{api}: cu_seqlens has dtype {cu_seqlens.dtype}; expected int32 or int64 offsets")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"{api}: cu_seqlens has shape {tuple(cu_seqlens.shape)}; expected [N + 1], the offsets "
-                         "0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = T of N >= 1 packed sequences")
+    device-to-host copy for each new offsets tensor: ``_checked_before``). ``host_copy`` (FLA's
+    cu_seqlens_cpu, a CPU tensor like cu_seqlens) is read instead of cu_seqlens."""
+    _check_offsets_tensor(api, "cu_seqlens", cu_seqlens)
+    if host_copy is not None:
+        _check_offsets_tensor(api, "cu_seqlens_cpu", host_copy)
+        if host_copy.device.type != "cpu" or host_copy.shape != cu_seqlens.shape:
+            raise ValueError(f"{api}: cu_seqlens_cpu is a {host_copy.device.type} tensor of shape "
+                             f"{tuple(host_copy.shape)}; expected a CPU copy of cu_seqlens, shape "
+                             f"{tuple(cu_seqlens.shape)}")
     N = cu_seqlens.shape[0] - 1
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[0] != 1:
         raise ValueError(f"{api}: q has shape {tuple(q.shape)}; with cu_seqlens the sequences are packed along "
@@ -420,9 +421,20 @@ def validate_varlen(q, cu_seqlens, initial_state, *, api: str = "chunk_gla") -> 
         raise ValueError(f"{api}: initial_state has shape {tuple(initial_state.shape)} but cu_seqlens holds "
                          f"N = {N} sequences; expected initial_state to be [N, H, K, V] with N = {N}")
     T = q.shape[1] if isinstance(q, Tensor) and q.dim() == 4 else None
-    if _offsets_readable(cu_seqlens) and not _checked_before(cu_seqlens, T):
-        _check_offsets(api, cu_seqlens.tolist(), T)
-        _last_checked[:] = [weakref.ref(cu_seqlens), cu_seqlens._version, T]
+    offsets = cu_seqlens if host_copy is None else host_copy
+    if _offsets_readable(offsets) and not _checked_before(offsets, T):
+        _check_offsets(api, offsets.tolist(), T)
+        _last_checked[:] = [weakref.ref(offsets), offsets._version, T]
+
+
+def _check_offsets_tensor(api: str, name: str, offsets) -> None:
+    if not isinstance(offsets, Tensor):
+        raise TypeError(f"{api}: {name} must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{api}: {name} has dtype {offsets.dtype}; expected int32 or int64 offsets")
+    if offsets.dim() != 1 or offsets.shape[0] < 2:
+        raise ValueError(f"{api}: {name} has shape {tuple(offsets.shape)}; expected [N + 1], the offsets "
+                         f"0 = {name}[0] <= ... <= {name}[N] = T of N >= 1 packed sequences")
 
 
 # The offsets checked last (a weak reference, their version counter, T): the layers of a model

@@ -52,6 +52,8 @@ def chunk_gla(
     cu_seqlens: Optional[Tensor] = None,
     output_prefix_states: bool = False,
     state_interval: int = 64,
+    state_v_first: bool = False,
+    cu_seqlens_cpu: Optional[Tensor] = None,
 ):
     """Gated linear attention, FLA-compatible.
 
@@ -86,6 +88,11 @@ def chunk_gla(
             initial state). Packed: [1, T // P + N, H, K, V], sequence n's state after its first
             j * P steps at [0, cu_seqlens[n] // P + n + j] for j = 0 .. its length // P (slots
             between the sequences' are left zero or undefined). fp32 (fp64 for fp64 inputs).
+        state_v_first: initial_state and the final state are V-first, [.., V, K] (FLA's option):
+            read through strides, the final state returned as a [.., V, K] view.
+        cu_seqlens_cpu: a host copy of cu_seqlens (FLA's option), assumed equal to it: its values
+            are checked instead, with no device-to-host copy of cu_seqlens (the kernels never need
+            one).
 
     Returns:
         o [B, T, H, V] in the promoted dtype of q, k, v, and the final state [B, H, K, V]
@@ -93,7 +100,15 @@ def chunk_gla(
         states where output_prefix_states.
     """
     if cu_seqlens is not None:
-        validate_varlen(q, cu_seqlens, initial_state)
+        validate_varlen(q, cu_seqlens, initial_state, host_copy=cu_seqlens_cpu)
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("chunk_gla: cu_seqlens_cpu is a host copy of cu_seqlens, which is None; pass cu_seqlens too")
+    if initial_state is not None and state_v_first:
+        check_tensor("chunk_gla", "initial_state", initial_state)
+        n, letter = (q.shape[0], "B") if cu_seqlens is None else (cu_seqlens.shape[0] - 1, "N")
+        check_shape("chunk_gla", "initial_state", initial_state, q, f"[{letter}, H, V, K]",
+                    (n, v.shape[2], v.shape[-1], q.shape[-1]))
+        initial_state = _kv(initial_state, True)
     validate_inputs(q, k, v, g, g_gamma, initial_state, grouped=True, cu_seqlens=cu_seqlens)
     _warn_if_head_first(q)
     fn = GateFn(gate_fn or "", float(gate_scale), _opt_float(gate_lo), _opt_float(gate_hi))
@@ -105,9 +120,9 @@ def chunk_gla(
     if output_prefix_states:
         _validate_prefix_states(call, state_interval)
         o, ht, states = torch.ops.gla_inductor.chunk_fwd_states(*call.states_op_args(state_interval))
-        return o, (ht if output_final_state else None), states
+        return o, (_kv(ht, state_v_first) if output_final_state else None), states
     o, ht = run_chunk_gla(call)
-    return o, (ht if output_final_state else None)
+    return o, (_kv(ht, state_v_first) if output_final_state else None)
 
 
 def _validate_prefix_states(call: GLACall, interval) -> None:

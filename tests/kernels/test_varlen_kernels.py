@@ -95,6 +95,16 @@ def test_strided_inputs(kernels):
     assert_matches(p, o, ht, tol=1e-4)
 
 
+def test_states_v_first(kernels):
+    """V-first initial and final states (state_v_first) reach the kernels as strided views: values
+    and every gradient, the initial state's through the view."""
+    p = _on_device(make([C + 1, 0, 7], gate="scalar", K=8, V=16, reverse=True))
+    kwargs = dict(p.kwargs(), initial_state=p.h0.transpose(-1, -2), state_v_first=True)
+    o, ht = gla_inductor.chunk_gla(p.q, p.k, p.v, p.g, **kwargs)
+    assert ht.shape == (3, 2, 16, 8)
+    assert_matches(p, o, ht.transpose(-1, -2), tol=1e-4)
+
+
 def test_bfloat16(kernels):
     p = _on_device(make([C + 1, 20], gate="vector", K=16, V=16, dtype=torch.bfloat16))
     o, ht = p.run(gla_inductor.chunk_gla)

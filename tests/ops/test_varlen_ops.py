@@ -12,8 +12,8 @@ import gla_inductor
 from gla_inductor.contract import GLACall
 from gla_inductor.gates import GateFn
 from gla_inductor.ops import dispatch
-from varlen_packing import (EDGE_LENGTHS, assert_matches, assert_prefix_states, make, offsets, random_lengths, reference,
-                            rel_err)
+from varlen_packing import (C as C_EDGE, EDGE_LENGTHS, assert_matches, assert_prefix_states, make, offsets,
+                            random_lengths, reference, rel_err)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -258,6 +258,49 @@ def test_offsets_are_read_once_per_tensor(monkeypatch):
         gla_inductor.chunk_gla(q, q, q, cu_seqlens=cu)
     gla_inductor.chunk_gla(q, q, q, cu_seqlens=offsets([4, 6]))
     assert len(reads) == 3
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_states_v_first(cpu_impl, packed):
+    """state_v_first (FLA's option): initial_state [.., V, K] read as its transpose, the final state
+    returned V-first; values and the initial state's gradient as with K-first states."""
+    p = make([C_EDGE + 2, 0, 7] if packed else [9], gate="vector", K=4, V=6, reverse=packed)
+    cu = p.cu_seqlens if packed else None
+    kwargs = dict(scale=p.scale, output_final_state=True, reverse=p.reverse, cu_seqlens=cu)
+    q, k, v, g = (p.q, p.k, p.v, p.g) if packed else (x[:, : x.shape[1]] for x in (p.q, p.k, p.v, p.g))
+    h0_vk = p.h0.detach().transpose(-1, -2).contiguous().requires_grad_()
+    o, ht = gla_inductor.chunk_gla(q, k, v, g, initial_state=h0_vk, state_v_first=True, **kwargs)
+    h0_kv = p.h0.detach().clone().requires_grad_()
+    ref_o, ref_ht = gla_inductor.chunk_gla(q, k, v, g, initial_state=h0_kv, **kwargs)
+    assert ht.shape == h0_vk.shape and torch.equal(o, ref_o) and torch.equal(ht, ref_ht.transpose(-1, -2))
+    dht = torch.randn(ht.shape, generator=torch.Generator().manual_seed(0))
+    grad_vk, = torch.autograd.grad((o.sum() + (ht * dht).sum()), [h0_vk])
+    grad_kv, = torch.autograd.grad((ref_o.sum() + (ref_ht * dht.transpose(-1, -2)).sum()), [h0_kv])
+    assert torch.allclose(grad_vk, grad_kv.transpose(-1, -2))
+    with pytest.raises(ValueError, match=r"expected initial_state to be \[[BN], H, V, K\]"):
+        gla_inductor.chunk_gla(q, k, v, g, initial_state=h0_kv.detach(), state_v_first=True, **kwargs)
+
+
+def test_host_copy_of_the_offsets_is_read_instead(monkeypatch):
+    """cu_seqlens_cpu (FLA's option): the values checked are the host copy's (for offsets on a GPU:
+    no wait for the device), the results those of cu_seqlens; a copy of another shape, or without
+    cu_seqlens, is refused."""
+    from gla_inductor import contract
+
+    read = []
+    real = contract._check_offsets
+    monkeypatch.setattr(contract, "_check_offsets", lambda api, offs, T: read.append(offs) or real(api, offs, T))
+    q, cu = torch.randn(1, 10, 2, 4), offsets([4, 6])
+    host = torch.tensor([0, 4, 10])  # int64, like FLA's
+    o, _ = gla_inductor.chunk_gla(q, q, q, cu_seqlens=cu, cu_seqlens_cpu=host)
+    assert read == [[0, 4, 10]] and contract._last_checked[0]() is host
+    assert torch.equal(o, gla_inductor.chunk_gla(q, q, q, cu_seqlens=cu)[0])
+    with pytest.raises(ValueError, match="cu_seqlens decreases from 6 to 4"):
+        gla_inductor.chunk_gla(q, q, q, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 6, 4]))
+    with pytest.raises(ValueError, match=r"expected a CPU copy of cu_seqlens, shape \(3,\)"):
+        gla_inductor.chunk_gla(q, q, q, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match="cu_seqlens_cpu is a host copy of cu_seqlens, which is None"):
+        gla_inductor.chunk_gla(q, q, q, cu_seqlens_cpu=host)
 
 
 def test_edge_lengths_are_the_chunk_edges():
