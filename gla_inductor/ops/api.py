@@ -89,7 +89,8 @@ def chunk_gla(
             j * P steps at [0, cu_seqlens[n] // P + n + j] for j = 0 .. its length // P (slots
             between the sequences' are left zero or undefined). fp32 (fp64 for fp64 inputs).
         state_v_first: initial_state and the final state are V-first, [.., V, K] (FLA's option):
-            read through strides, the final state returned as a [.., V, K] view.
+            read through strides, the final state returned as a [.., V, K] view (prefix states
+            stay [.., K, V]).
         cu_seqlens_cpu: a host copy of cu_seqlens (FLA's option), assumed equal to it: its values
             are checked instead, with no device-to-host copy of cu_seqlens (the kernels never need
             one).
