@@ -77,12 +77,34 @@ def promoted(q, k, v, g):
     return torch.stack(outs, 2)
 
 
-CASES = [(augmented, 1), (methods, 1), (view_read_after_write, 0), (input_state, 0), (promoted, 0)]
+def masked_in_place(q, k, v, g, C=3):
+    """Chunked linear attention (no gate) as FLA's naive reference writes it: the chunk's scores
+    masked in place (``masked_fill_``) before they meet v, the states a cumsum over chunks."""
+    qc, kc, vc = (x.reshape(B, H, T // C, C, x.shape[-1]) for x in (q, k, v))
+    kv = (kc.transpose(-1, -2) @ vc).cumsum(2)
+    kv = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1]], dim=2)
+    intra = (qc @ kc.transpose(-1, -2)).masked_fill_(torch.triu(torch.ones(C, C, dtype=torch.bool), 1), 0) @ vc
+    return (qc @ kv + intra).reshape(B, H, T, v.shape[-1])
+
+
+def triangle_in_place(q, k, v, g):
+    """The parallel form with the causal triangle taken in place (``tril_``)."""
+    return (q @ k.transpose(-1, -2)).tril_() @ v
+
+
+def masked_input(q, k, v, g, scores):
+    """The caller's scores masked in place: the write stays (the caller sees it)."""
+    return scores.masked_fill_(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), 0) @ v
+
+
+CASES = [(augmented, 1), (methods, 1), (masked_in_place, 1), (triangle_in_place, 1), (view_read_after_write, 0),
+         (input_state, 0), (promoted, 0), (masked_input, 0)]
 
 
 @pytest.mark.parametrize("fn,rewrites", CASES, ids=[c[0].__name__ for c in CASES])
 def test_compiled_equals_eager(fn, rewrites):
-    args = inputs() + ([torch.randn(B, H, K, V)] if fn is input_state else [])
+    extra = {input_state: [torch.randn(B, H, K, V)], masked_input: [torch.randn(B, H, T, T)]}
+    args = inputs() + extra.get(fn, [])
     assert_rewritten_like_eager(fn, args, rewrites, 1e-5)
 
 

@@ -11,9 +11,10 @@ the writes' memory was the program's alone).
 Only where that is exact:
   * the memory is a fresh tensor of the program: a constructor (``new_zeros``, ``torch.zeros``,
     ...), a clone, or the result of an arithmetic op, never an input, a buffer or a view;
-  * every write is a whole-tensor ``mul_ / add_ / sub_ / div_`` (or ``*=``, ``+=``, ``-=``, ``/=``)
-    whose functional result keeps the tensor's shape and dtype (no promotion the write would
-    have cast away);
+  * every write is a whole-tensor ``mul_ / add_ / sub_ / div_`` (or ``*=``, ``+=``, ``-=``, ``/=``),
+    or a mask or triangle ``masked_fill_ / tril_ / triu_`` (scores masked in place, as FLA's naive
+    chunked linear attention writes ``(q @ k^T).masked_fill_(triu, 0) @ v``), whose functional
+    result keeps the tensor's shape and dtype (no promotion the write would have cast away);
   * every other reader makes a new tensor from the value (arithmetic, reductions, products,
     stack / cat, clone, a copy into other memory): no view or alias that a later write would
     change behind the reader's back.
@@ -33,7 +34,8 @@ from .emit import Emitter, Transaction, fake_mode
 from .op_names import op_name
 
 # in-place write -> (the functional op, call_method or call_function)
-_METHOD_WRITES = {"mul_": "mul", "add_": "add", "sub_": "sub", "div_": "div"}
+_METHOD_WRITES = {"mul_": "mul", "add_": "add", "sub_": "sub", "div_": "div", "masked_fill_": "masked_fill",
+                  "tril_": "tril", "triu_": "triu"}
 _FUNCTION_WRITES = {operator.imul: operator.mul, operator.iadd: operator.add, operator.isub: operator.sub,
                     operator.itruediv: operator.truediv}
 # readers whose result is new memory computed from the value read
