@@ -215,6 +215,18 @@ def parallel_no_gate(q, k, v):
     return ((q @ k.transpose(-1, -2)) * 0.25).tril() @ v
 
 
+def parallel_prefix_sums(q, k, v):
+    """Causal linear attention as prefix sums of the materialized k^T v (Hedgehog's fallback)."""
+    return (q.unsqueeze(-2) * (k.unsqueeze(-2) * v.unsqueeze(-1)).cumsum(dim=2)).sum(dim=-1)
+
+
+def parallel_prefix_sums_gated(q, k, v, g):
+    """Vector gate on the prefix sums: e^G_t * cumsum(e^-G_s k_s^T v_s), read by einsum."""
+    G = g.cumsum(2)
+    S = G.exp()[..., None] * torch.cumsum(torch.einsum("bhtk,bhtv->bhtkv", k * (-G).exp(), v), dim=2)
+    return torch.einsum("bhtk,bhtkv->bhtv", q, S)
+
+
 # ---- near misses --------------------------------------------------------------------------
 def near_delta_rule(q, k, v, g):
     S = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
@@ -300,6 +312,8 @@ SPELLINGS = [
     Spelling("parallel_vector_factored", parallel_vector_factored, head_first("vector"), 1, "parallel"),
     Spelling("parallel_vector_pairwise", parallel_vector_pairwise, head_first("vector"), 1, "parallel"),
     Spelling("parallel_no_gate", parallel_no_gate, head_first("none"), 1, "parallel"),
+    Spelling("parallel_prefix_sums", parallel_prefix_sums, head_first("none"), 1, "parallel"),
+    Spelling("parallel_prefix_sums_gated", parallel_prefix_sums_gated, head_first("vector"), 1, "parallel"),
 ]
 
 NEAR_MISSES = [

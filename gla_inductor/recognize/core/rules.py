@@ -562,6 +562,32 @@ def _tri(an, a, lower: bool, diagonal: int) -> Optional[AV]:
     return AV(va.out, tuple((c, fs + (f,)) for c, fs in va.terms), None, va.origin)
 
 
+def _op_cumsum(an, node, a, dim, dtype=None, **kw):
+    """A prefix sum over time of an outer product, cumsum(k (x) v, t)[.., t, k, v] (linear
+    attention's states, materialized): the product at a new position s, summed under the causal
+    triangle s <= t (a "tri" factor over (t, s)), so a query's product with it reads as q k^T v
+    contracted over time under a mask. Anything else (a log gate's cumsum, which the decay readers
+    take as a cumulative gate; a sum that already contracts positions) stays an atom."""
+    na, va = an.operand(a)
+    if na is None or va.keep is not None or len(va.terms) != 1 or not isinstance(dim, int) or dtype is not None:
+        return None
+    d = dim % len(va.out)
+    t = va.out[d]
+    if t is None or type(t) is tuple or mono_vars(va.terms[0]) - out_vars(va.out) or not _outer(va, t):
+        return None
+    s = an.fresh(an.sizes[t])
+    coef, fs = sub_mono(va.terms[0], {t: s})
+    return AV(va.out, ((coef, fs + (Factor("tri", (t, s), lower=True, diagonal=0),)),), None, va.origin)
+
+
+def _outer(av: AV, t) -> bool:
+    """Whether av's one term indexes two axes other than t by separate factors only (k (x) v)."""
+    axes = [v for v in out_vars(av.out) if v != t]
+    fvars = [factor_vars(f) for f in av.terms[0][1] if f.kind == "atom"]
+    return any(not any(a in fv and b in fv for fv in fvars) and any(a in fv for fv in fvars)
+               and any(b in fv for fv in fvars) for i, a in enumerate(axes) for b in axes[i + 1:])
+
+
 RULES = {
     "mul": _op_mul, "div": _op_div, "neg": _op_neg, "add": _op_add, "sub": _op_sub, "rsub": _op_rsub,
     "exp": _op_exp, "exp2": _op_exp2, "pow": _op_pow,
@@ -571,5 +597,5 @@ RULES = {
     "numpy_T": _op_numpy_t, "t": _op_t, "reshape": _op_reshape,
     "repeat_interleave": _op_repeat_interleave, "repeat": _op_repeat, "expand": _op_expand,
     "getitem": _op_getitem, "select": _op_select, "narrow": _op_narrow,
-    "masked_fill": _op_masked_fill, "where": _op_where, "tril": _op_tril, "triu": _op_triu,
+    "masked_fill": _op_masked_fill, "where": _op_where, "tril": _op_tril, "triu": _op_triu, "cumsum": _op_cumsum,
 }
