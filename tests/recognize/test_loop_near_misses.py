@@ -238,3 +238,21 @@ def test_shared_outer_product_keeps_the_decay_reason():
     reasons = [r for f, r, _ in near if f == "loop"]
     assert reasons and all("used outside the update" in r for r in reasons), near
     assert any("decay acts over every axis" in r for r in reasons), near
+
+
+def test_one_rwkv_step_with_a_matmul_outer_product_is_named():
+    """RWKV-6's single-token step as its demo writes it, a = k^T v by matmul read by the bonus and
+    by the update of the state passed in: named as the loop's is, without claiming a decay over V."""
+
+    def rwkv_step(r, k, v, w, u, s):
+        a = k.unsqueeze(-1) @ v.unsqueeze(-2)
+        x = r.unsqueeze(-2) @ (u.unsqueeze(-1) * a + s)
+        return x.squeeze(-2), a + w.unsqueeze(-1) * s
+
+    gen = torch.Generator().manual_seed(0)
+    r, k, v, u = (torch.randn(H, D, generator=gen) for _ in range(4))
+    w, s = torch.rand(H, D, generator=gen), torch.randn(H, D, D, generator=gen)
+    out, forms, near = near_misses(rwkv_step, r, k, v, w, u, s)
+    assert forms == [] and all(torch.equal(a, b) for a, b in zip(out, rwkv_step(r, k, v, w, u, s)))
+    reasons = [r for _, r, _ in near]
+    assert reasons and all("RWKV-style bonus" in r and "every axis" not in r for r in reasons), near

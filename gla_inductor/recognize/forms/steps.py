@@ -329,27 +329,28 @@ def unsupported_update_reason(an: Analyzer, node: fx.Node) -> Optional[str]:
     if others and not _is_outer_product(others[0], av.out):
         why = "the update adds no outer product k^T v (elementwise recurrence)"
         return why + _decay_over_all(selfish, states, av.out)
-    if _shared_outer(an, av, node):
+    shared = _shared_outer(an, av, node)
+    if shared is not None:
         why = ("the outer product k^T v the update adds is used outside the update too (e.g. an RWKV-style bonus "
                "u k^T v added to the state before its update in the read); expected it used by the update alone")
-        return why + _decay_over_all(selfish, states, av.out)
+        return why + _decay_over_all(selfish, states | {shared}, av.out)
     return None
 
 
-def _shared_outer(an: Analyzer, av: AV, update: fx.Node) -> bool:
-    """Whether a term of an update is a whole outer product k^T v with other readers than the
-    update (the algebra keeps such a node an atom, so the update reads as a sum of two
-    state-like tensors, neither of them k^T v)."""
+def _shared_outer(an: Analyzer, av: AV, update: fx.Node) -> Optional[fx.Node]:
+    """The node of an update's term that is a whole outer product k^T v with other readers than
+    the update (the algebra keeps such a node an atom, so the update reads as a sum of two
+    state-like tensors, neither of them k^T v), or None."""
     for _, fs in av.terms:
         if len(fs) != 1 or not is_full_atom(fs[0], av.out):
             continue
         node = fs[0].atom.node
         value = an.value(node)
-        if (op_name(node) == "mul" and value is not None and len(value.terms) == 1
-                and not any(is_full_atom(f, value.out) for f in value.terms[0][1])
-                and _is_outer_product(value.terms[0], value.out) and set(an.users(node)) - {update}):
-            return True
-    return False
+        if value is None or len(value.terms) != 1 or any(is_full_atom(f, value.out) for f in value.terms[0][1]):
+            continue
+        if _is_outer_product(value.terms[0], value.out) and set(an.users(node)) - {update}:
+            return node
+    return None
 
 
 def _reads_states(an: Analyzer, m: Mono, states: set, update: fx.Node) -> bool:
