@@ -142,11 +142,18 @@ def _four_inputs(q, k, v, g, u):
     return (q @ k.transpose(-1, -2) * _decay(g) * (u @ u.transpose(-1, -2))) @ v
 
 
+def _prefix_sums_plus_state(q, k, v, g, u):  # GLA with an initial state, the sum not distributed
+    h0 = u[..., :1, :, None] * v[..., :1, None, :]
+    return (q[..., :, None] * ((k[..., :, None] * v[..., None, :]).cumsum(2) + h0)).sum(-2)
+
+
 NOT_CANDIDATES = [
     (_diagonal_bonus, "the scores q k^T D are summed with 1 other term(s) (diag_embed) before the product "
                       "with v, expected the scores alone"),
     (_bias_added, "the scores q k^T D are summed with 1 other term(s) (u) before the product with v"),
     (_four_inputs, "the attention term multiplies four inputs (k, q, u, u), expected three (q, k, v)"),
+    (_prefix_sums_plus_state, "the prefix sums of k^T v over time are summed with 1 other term(s) (u, v) before "
+                              "the product with q, expected them alone"),
 ]
 
 
