@@ -137,20 +137,14 @@ def _scores_summed(an: Analyzer, av: AV, ov: set) -> Optional[str]:
                 others = sorted({_input_name(g.atom.node) for t in sv.terms if t is not scores[0]
                                  for g in t[1] if g.kind == "atom"})
                 n, names = len(sv.terms) - 1, ", ".join(others) or "constants"
-                if _prefix_sums(scores[0], sov):
+                # k^T v summed over time under the causal triangle (a cumsum's prefix sums), not q k^T over K
+                if any(f.kind == "tri" and (mono_vars(scores[0]) - sov) & set(f.idx) for f in scores[0][1]):
                     return (f"the prefix sums of k^T v over time are summed with {n} other term(s) ({names}) before "
                             "the product with q, expected them alone: the product is not distributed over the sum "
                             "(an initial state is GLA's as its own term, q h0)")
                 return (f"the scores q k^T D are summed with {n} other term(s) ({names}) before the product with v, "
                         "expected the scores alone: a bonus on the diagonal (RWKV's u) or an added bias is not GLA")
     return None
-
-
-def _prefix_sums(term, ov: set) -> bool:
-    """Whether a two-input term sums over time under the causal triangle (k^T v's prefix sums, a
-    cumsum's reading), not over K (the scores q k^T, whose triangle is over two kept axes)."""
-    summed = mono_vars(term) - ov
-    return any(f.kind == "tri" and summed & set(f.idx) for f in term[1])
 
 
 def _has_decay(an: Analyzer, m) -> bool:
