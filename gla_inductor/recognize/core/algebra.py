@@ -140,6 +140,20 @@ def mono_vars(m: Mono) -> set:
     return vs
 
 
+def separates_axes(m: Mono, axes) -> bool:
+    """Whether some two of ``axes`` are each indexed by an atom of m but never by one atom together:
+    m is an outer product over them (k^T v), not an elementwise product k * x."""
+    fvars = [factor_vars(f) for f in m[1] if f.kind == "atom"]
+    axes = sorted(axes)
+    return any(
+        not any(a in fv and b in fv for fv in fvars)
+        and any(a in fv for fv in fvars)
+        and any(b in fv for fv in fvars)
+        for i, a in enumerate(axes)
+        for b in axes[i + 1 :]
+    )
+
+
 def sub_factor(f: Factor, mp: dict) -> Factor:
     idx = tuple([resolve(e, mp) for e in f.idx])
     inner = tuple(sub_mono(m, mp) for m in f.inner) if f.inner else ()

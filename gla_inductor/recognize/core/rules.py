@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 
 from .algebra import (
-    AV, Factor, Opaque, comps, factor_vars, fix_var, make_entry, mono_vars, out_vars, resolve, sub_av, sub_mono,
-    unit_slice,
+    AV, Factor, Opaque, comps, factor_vars, fix_var, make_entry, mono_vars, out_vars, resolve, separates_axes, sub_av,
+    sub_mono, unit_slice,
 )
 from .consts import example_value
 from .op_names import op_name
@@ -573,19 +573,13 @@ def _op_cumsum(an, node, a, dim, dtype=None, **kw):
         return None
     d = dim % len(va.out)
     t = va.out[d]
-    if t is None or type(t) is tuple or mono_vars(va.terms[0]) - out_vars(va.out) or not _outer(va, t):
-        return None
+    if t is None or type(t) is tuple or mono_vars(va.terms[0]) - out_vars(va.out):
+        return None  # a size-1 or merged time axis, or a sum over positions already
+    if not separates_axes(va.terms[0], out_vars(va.out) - {t}):
+        return None  # no outer product over the other axes
     s = an.fresh(an.sizes[t])
     coef, fs = sub_mono(va.terms[0], {t: s})
     return AV(va.out, ((coef, fs + (Factor("tri", (t, s), lower=True, diagonal=0),)),), None, va.origin)
-
-
-def _outer(av: AV, t) -> bool:
-    """Whether av's one term indexes two axes other than t by separate factors only (k (x) v)."""
-    axes = [v for v in out_vars(av.out) if v != t]
-    fvars = [factor_vars(f) for f in av.terms[0][1] if f.kind == "atom"]
-    return any(not any(a in fv and b in fv for fv in fvars) and any(a in fv for fv in fvars)
-               and any(b in fv for fv in fvars) for i, a in enumerate(axes) for b in axes[i + 1:])
 
 
 RULES = {

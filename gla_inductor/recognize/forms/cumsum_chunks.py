@@ -51,9 +51,7 @@ def cumulative(n: fx.Node) -> bool:
     """Whether n is a cumulative sum, or a view of one: a cumulative log decay, not a gate."""
     while op_name(n) in VIEW_OPS and n.all_input_nodes:
         n = n.all_input_nodes[0]
-    if n.op == "call_method":
-        return n.target == "cumsum"
-    return n.op == "call_function" and n.target is torch.cumsum
+    return op_name(n) == "cumsum"
 
 
 def unread_states(an: Analyzer) -> list:

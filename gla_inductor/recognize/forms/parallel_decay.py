@@ -27,6 +27,7 @@ from ..core.analyzer import Analyzer
 from ..core.consts import size_hint
 from ..core.emit import LFactor, lfactor
 from ..core.match import Reject
+from ..core.op_names import op_name
 
 # Weights are checked on a sequence of this many steps: the indicators a weight sums depend
 # only on where u lies against i, against j and against the two ends, and every such case
@@ -180,7 +181,7 @@ def _fresh(an: Analyzer, node: fx.Node) -> bool:
 
 
 def _cumsum_dim(node: fx.Node) -> Optional[int]:
-    if not (node.op == "call_function" and node.target is torch.cumsum or node.op == "call_method" and node.target == "cumsum"):
+    if op_name(node) != "cumsum":
         return None
     if not isinstance(node.args[0], fx.Node) or node.kwargs.get("dtype") is not None:
         return None

@@ -23,7 +23,8 @@ import torch
 import torch.fx as fx
 
 from ..core.algebra import (
-    AV, Atom, Factor, Mono, Opaque, comps, factor_vars, make_entry, mono_vars, out_vars, resolve, sub_mono,
+    AV, Atom, Factor, Mono, Opaque, comps, factor_vars, make_entry, mono_vars, out_vars, resolve,
+    separates_axes, sub_mono,
 )
 from ..core.analyzer import Analyzer
 from ..core.assembly import Assembly, find_outputs
@@ -244,18 +245,7 @@ def _is_outer_product(m: Mono, out: tuple) -> bool:
     unlike an elementwise product k * x. With K or V of size 1 the outer product is an
     elementwise product k * v, which a state with a size-1 axis may hold: which axes are
     which is then decided by the roles (see state_roles), as for any state."""
-    if None in out:
-        return True
-    out_set = out_vars(out)
-    fvars = [factor_vars(f) for f in m[1] if f.kind == "atom"]
-    axes = sorted(out_set)
-    return any(
-        not any(a in fv and b in fv for fv in fvars)
-        and any(a in fv for fv in fvars)
-        and any(b in fv for fv in fvars)
-        for i, a in enumerate(axes)
-        for b in axes[i + 1 :]
-    )
+    return None in out or separates_axes(m, out_vars(out))
 
 
 def accumulates_outer(st: Step) -> bool:
