@@ -256,3 +256,63 @@ def test_one_rwkv_step_with_a_matmul_outer_product_is_named():
     assert forms == [] and all(torch.equal(a, b) for a, b in zip(out, rwkv_step(r, k, v, w, u, s)))
     reasons = [r for _, r, _ in near]
     assert reasons and all("RWKV-style bonus" in r and "every axis" not in r for r in reasons), near
+
+
+def read_before_update(q, k, v, g, h0=None, steps=T):
+    """o_t = q_t S_{t-1}: each output read before its step's update (an exclusive read), from a zero
+    start or from h0, assembled by stack."""
+    S = q.new_zeros(q.shape[0], H, D, D) if h0 is None else h0
+    outs = []
+    for t in range(steps):
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+    return torch.stack(outs, 1), S
+
+
+def read_before_update_setitem(q, k, v, g, h0=None, steps=T):
+    S = q.new_zeros(q.shape[0], H, D, D)
+    o = q.new_empty(q.shape[0], steps, H, D)
+    for t in range(steps):
+        o[:, t] = (q[:, t, :, :, None] * S).sum(-2)
+        S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+    return o, S
+
+
+@pytest.mark.parametrize("fn", [read_before_update, read_before_update_setitem])
+@pytest.mark.parametrize("steps", [T, 70])  # 70: a long loop, parsed by its periodic proof
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_read_before_update_is_named(fn, steps, with_h0):
+    """An exclusive read, o_t = q_t S_{t-1}, is not GLA's o_t = q_t S_t: left alone, and explain says
+    so (it said the states are not read into an assembled output, 'e.g. the read is normalized')."""
+    if with_h0 and fn is read_before_update_setitem:
+        pytest.skip("the setitem spelling starts from zeros")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, steps, H, D, generator=gen) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, steps, H, D, generator=gen))
+    h0 = torch.randn(2, H, D, D, generator=gen) if with_h0 else None
+    out, forms, near = near_misses(lambda *a: fn(*a, steps=steps), q, k, v, g, h0)
+    want = fn(q, k, v, g, h0, steps=steps)
+    assert forms == [] and rel_err(out[0], want[0]) == 0 and rel_err(out[1], want[1]) == 0
+    reasons = [r for f, r, _ in near if f == "loop"]
+    assert reasons and all("before the step's update" in r and "exclusive read" in r for r in reasons), near
+
+
+def test_inclusive_read_is_still_rewritten(no_cost_rule):
+    """The same loop reading each state after its update is GLA, rewritten (the exclusive reads'
+    check sits on the path of loops whose reads do not all parse)."""
+
+    def inclusive(q, k, v, g):
+        S = q.new_zeros(q.shape[0], H, D, D)
+        outs = []
+        for t in range(q.shape[1]):
+            S = S * g[:, t].exp()[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, T, H, D, generator=gen) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, T, H, D, generator=gen))
+    with torch.no_grad():
+        out, forms, near = near_misses(inclusive, q, k, v, g)
+    assert forms == ["loop"] and near == []
+    assert rel_err(out, inclusive(q, k, v, g)) < 1e-5

@@ -254,6 +254,9 @@ def _assembly_of(an: Analyzer, chain, states, outputs, proof=None):
             return asm, _proven_reads(an, chain, states, proof)
         reads = [parse_read(an, e, states) for e in asm.elements]
         if not reads or any(r is None for r in reads):
+            if _reads_before_update(chain, reads):
+                raise Reject("each output reads the state its step starts from, before the step's update "
+                             "(o_t = q_t S_{t-1}, an exclusive read; GLA's o_t reads S_t)")
             continue
         by_state = {r.state: r for r in reads}
         if len(by_state) != len(chain) or set(by_state) != set(states):
@@ -265,6 +268,14 @@ def _assembly_of(an: Analyzer, chain, states, outputs, proof=None):
         "the states are not read into an assembled output (stack, cat or o[:, t] = ...); "
         "e.g. the read is normalized or reads the state before its update"
     )
+
+
+def _reads_before_update(chain, reads: list) -> bool:
+    """Whether output t reads the state of step t - 1 for every t >= 1, the first output reading no
+    step's state (the initial state, or a zero start): a loop that reads its state before updating it."""
+    if len(reads) != len(chain) or len(chain) < 2 or reads[0] is not None:
+        return False
+    return all(r is not None and r.state is st.node for r, st in zip(reads[1:], chain))
 
 
 def _proven_reads(an: Analyzer, chain, states, proof) -> dict:
