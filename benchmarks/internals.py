@@ -147,7 +147,7 @@ def sm90_kernel_options(mode_template: str, cfg, dtype, K: int, gate: str, gate_
     options = kconfigs.kernel_options(cfg, dtype, K, gate, K**-0.5, False, False, gate_fn)
     options.update(extra)
     if mode_template == "gla_chunk_local":
-        options = kconfigs.local_options(options, extra["TRANSPOSE"])
+        options = kconfigs.local_options(options, extra["TRANSPOSE"], cfg.local_tile.num_warps)
     if mode_template == "gla_chunk_bwd_dqkg":
         options["BK"] = kconfigs.dqkg_block_k(cfg, options)
     return options

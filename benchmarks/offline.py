@@ -89,7 +89,8 @@ def sm90_options(args, template: str, extra: dict) -> tuple:
 
     cfg = internals.default_chunk_config(8, 2048, 16, args.k, args.v, torch.bfloat16, args.gate == "vector",
                                          torch.device("cpu"))
-    cfg = internals.ChunkConfig(**{**cfg.__dict__, "block_t": args.bt})
+    cfg = internals.ChunkConfig(**{**cfg.__dict__, "block_t": args.bt,
+                                   "local_tile": internals.TileConfig(0, args.warps, args.stages)})
     gate_fn = internals.GateFn(args.gate_fn, 1 / 16) if args.gate_fn else internals.GateFn()
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     extra = dict(extra, BV=args.bv, **({"SEGMENTS": args.segments} if args.segments else {}))

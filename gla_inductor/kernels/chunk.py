@@ -190,7 +190,7 @@ class _Launcher:
         terms = local_terms(self.options, self.B, self.T, self.H, self.K, NT, self.cfg.block_t)
         qs, ks, A, dl = (None if terms[n] is None else torch.empty(terms[n][0], dtype=terms[n][1], device=self.device)
                          for n in ("qs", "ks", "A", "dl"))
-        options = local_options(self.options, transpose)
+        options = local_options(self.options, transpose, self.cfg.local_tile.num_warps)
         tensors = dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl, cu_seqlens=self.cu_seqlens)
         _launch("gla_chunk_local", options, tensors, A, grid, self.cfg.local_tile)
         return qs, ks, A, dl

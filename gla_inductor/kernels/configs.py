@@ -201,11 +201,27 @@ def segment_decays_shape(options: dict, N, segments: int, H, K) -> Optional[tupl
     return None
 
 
-def local_options(options: dict, transpose: bool) -> dict:
-    """gla_chunk_local's options: the shared ones, the scores' orientation, its key slices."""
+def local_options(options: dict, transpose: bool, warps: int) -> dict:
+    """gla_chunk_local's options: the shared ones, the scores' orientation, its key slices, the
+    order of its rows for a program of ``warps`` warps."""
     BKS = local_key_slice(options["BK"])
     return dict(options, TRANSPOSE=transpose, BKS=BKS, BKP=local_steep_slice(BKS),
-                PRELOAD=local_preload(options["BK"], BKS))
+                PRELOAD=local_preload(options["BK"], BKS), **local_row_order(options, BKS, warps))
+
+
+def local_row_order(options: dict, BKS: int, warps: int) -> dict:
+    """The warp-major row order of gla_chunk_local's vector gate (PERM_REPS, PERM_WARPS, PERM_LANES;
+    see _gla_warp_cumsum), or 0s for time order. The order follows how Triton lays out a [BT, BKS]
+    load of 16-bit values over ``warps`` warps: 8 values per thread (one 16-byte vector) along the
+    keys, the rest of a warp's 32 threads along the rows, the warps after them, repeated. Other
+    layouts (fp32 gates) give the same values with more sums across warps. Time order where the
+    warps' rows would not fill the chunk, and for several key slices (K = 256), whose scores are
+    summed over slices before they are stored."""
+    lanes = 32 // min(32, max(1, BKS // 8))
+    reps = options["BT"] // (lanes * warps)
+    if not options["USE_GK"] or BKS != options["BK"] or reps < 1:
+        return dict(PERM_REPS=0, PERM_WARPS=0, PERM_LANES=0)
+    return dict(PERM_REPS=reps, PERM_WARPS=warps, PERM_LANES=lanes)
 
 
 def local_terms(options: dict, B, T, H, K, NT, block_t: int) -> dict:

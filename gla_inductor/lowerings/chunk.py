@@ -312,7 +312,7 @@ class _Plan:
         qs, ks, dl = (None if terms[n] is None else _empty(*terms[n], self.device) for n in ("qs", "ks", "dl"))
         tensors = {n: t for n, t in dict(q=q, k=k, **self.gates, qs=qs, ks=ks, dl=dl, cu_seqlens=self.cu_seqlens).items()
                    if t is not None}
-        A = self._select(LOCAL, local_options(self.options, transpose), tensors,
+        A = self._select(LOCAL, local_options(self.options, transpose, self.cfg.local_tile.num_warps), tensors,
                          _layout(self.device, terms["A"][1], terms["A"][0]), sizes,
                          [dict(tiles=self.cfg.local_tile)])
         return qs, ks, A, dl

@@ -125,6 +125,34 @@ def test_local_schedule_runs_its_templates(gate, force_schedule):
         assert rel_norm_err(x[name].grad, want) < 1e-4, name
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_local_schedule_warp_major_rows(reverse, force_schedule):
+    """A vector gate's chunk-local kernel whose rows take warp-major order (configs.local_row_order,
+    from K = 32 at 8 warps): its scores are stored from two branches (gentle and steep chunks) by
+    one store_output, pasted twice. Values and gradients exact; the gate's sums run in that order."""
+    force_schedule(True)
+    x = _inputs(1, 150, 2, 40, 24, "vector", h0=True)
+    with torch.no_grad():
+        x["g"][:, 70:74] = -8.0  # the middle chunk is steep: the pairwise path
+
+    @torch.compile(fullgraph=True)
+    def fwd(x):
+        return gla_inductor.chunk_gla(**x, output_final_state=True, reverse=reverse)
+
+    def fwd_bwd():
+        o, ht = fwd(x)
+        (o.double().sum() + ht.double().sum()).backward()
+        return o, ht
+
+    (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    assert fwd_code.count(LOCAL_KERNEL) == 1 and bwd_code.count(LOCAL_KERNEL) == 1
+    assert "_gla_warp_cumsum(b_g" in fwd_code and "_gla_warp_cumsum(b_g" in bwd_code
+    o64, ht64, grads = loop_reference_grads(x, 1.0, 1.0, reverse=reverse)
+    assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
+    for name, want in grads.items():
+        assert rel_norm_err(x[name].grad, want) < 1e-4, name
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("local", [False, True], ids=["scan", "local"])
 def test_nonfinite_values_propagate_like_the_loop(local, value, force_schedule):

@@ -119,6 +119,17 @@ def test_short_packed_call_runs_the_chunked_kernels(kernels):
     assert_matches(p, o, ht, tol=1e-4)
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_local_schedule_at_large_heads(kernels, reverse):
+    """K = 64 with a vector gate takes the local schedule, whose chunk-local kernel reads its rows in
+    warp-major order (configs.local_row_order) at each sequence's offset."""
+    lengths = [C + 3, 0, 9, 2 * C + 1]
+    assert default_config(len(lengths), sum(lengths), 1, 64, 16, torch.float32, True, torch.device("cpu"), True).local
+    p = _on_device(make(lengths, gate="vector", H=1, K=64, V=16, reverse=reverse))
+    o, ht = p.run(gla_inductor.chunk_gla)
+    assert_matches(p, o, ht, tol=1e-4)
+
+
 def test_local_and_split_configs_run_the_fused_schedule():
     p = _on_device(make([C + 3, 9], gate="vector", K=16, V=16, h0=True))
     call = GLACall(p.q.detach(), p.k.detach(), p.v.detach(), p.g.detach(), None, p.h0.detach(), p.scale, True,
