@@ -89,6 +89,26 @@ def h0_reverse_constant(q, k, v, g_gamma, h0):
     return ((q @ k.transpose(-1, -2)) * D) @ v + (q * ((T - i)[:, None] * g_gamma[:, None, None]).exp()) @ h0
 
 
+# the initial state added to the prefix sums of k^T v before the read: q (cumsum(k^T v) + h0)
+def h0_in_prefix_sums_no_gate(q, k, v, h0):
+    S = (k[..., :, None] * v[..., None, :]).cumsum(2) + h0[:, :, None]
+    return (q[..., :, None] * S).sum(-2)
+
+
+def h0_in_prefix_sums_vector(q, k, v, g, h0):
+    G = g.cumsum(2)
+    S = torch.einsum("bhtk,bhtv->bhtkv", k * (-G).exp(), v).cumsum(2) + h0.unsqueeze(2)
+    return torch.einsum("bhtkv,bhtk->bhtv", S, q * G.exp()) * K**-0.5
+
+
+def h0_in_prefix_sums_scalar_v_first(q, k, v, g, h0):
+    """A per-step scalar gate; h0 kept as [.., V, K] and transposed into the sum."""
+    G = g.cumsum(-1)[..., None]
+    hv = h0.transpose(-1, -2).contiguous()
+    S = ((k * (-G).exp())[..., :, None] * v[..., None, :]).cumsum(2) + hv.transpose(-1, -2)[:, :, None]
+    return ((q * G.exp())[..., :, None] * S).sum(-2)
+
+
 # ---- final state --------------------------------------------------------------------------------
 def final_scalar(q, k, v, g, h0):
     G = g.cumsum(-1)
@@ -134,6 +154,9 @@ GLA = {
         (h0_constant, "constant", True, {"initial_state": True}),
         (h0_no_gate, "none", True, {"initial_state": True}),
         (h0_reverse_constant, "constant", True, {"reverse": True, "initial_state": True}),
+        (h0_in_prefix_sums_no_gate, "none", True, {"initial_state": True}),
+        (h0_in_prefix_sums_vector, "vector", True, {"initial_state": True}),
+        (h0_in_prefix_sums_scalar_v_first, "scalar", True, {"initial_state": True}),
         (final_scalar, "scalar", True, {"initial_state": True, "final_state": True}),
         (final_vector_no_h0, "vector", False, {"initial_state": False, "final_state": True}),
         (final_reverse_vector, "vector", True, {"reverse": True, "initial_state": True, "final_state": True}),
@@ -256,3 +279,52 @@ def test_state_term_off_by_one_stays_code(fn, h0, left_out):
     matches = check_rewrite_exact(fn, head_first_inputs("scalar", h0))
     assert counters["gla_inductor"]["rewrites"] == 1
     assert matches[0].options[left_out] is False
+
+
+def near_prefix_sums_plus_steps(q, k, v):
+    """A tensor over time added to the prefix sums: no initial state."""
+    kv = k[..., :, None] * v[..., None, :]
+    return (q[..., :, None] * (kv.cumsum(2) + kv.sin())).sum(-2)
+
+
+def near_prefix_sums_h0_undecayed(q, k, v, g, h0):
+    """Gated prefix sums plus h0, read by an ungated q: h0 is not decayed as GLA's, and neither
+    are the prefix sums."""
+    G = g.cumsum(-1)[..., None]
+    S = ((k * (-G).exp())[..., :, None] * v[..., None, :]).cumsum(2) + h0[:, :, None]
+    return (q[..., :, None] * S).sum(-2)
+
+
+def near_prefix_sums_h0_one_step_late(q, k, v, g, h0):
+    """The attention is GLA's; h0 is decayed one step less than GLA's initial state, so the
+    bracket is not read as one."""
+    G = g.cumsum(-1)[..., None]
+    S = ((k * (-G).exp())[..., :, None] * v[..., None, :]).cumsum(2) + (h0 * g[..., :1, None].exp())[:, :, None]
+    return ((q * G.exp())[..., :, None] * S).sum(-2)
+
+
+@pytest.mark.parametrize("fn,h0", [(near_prefix_sums_plus_steps, False), (near_prefix_sums_h0_undecayed, True),
+                                   (near_prefix_sums_h0_one_step_late, True)], ids=lambda x: getattr(x, "__name__", None))
+def test_prefix_sums_with_a_term_that_is_no_initial_state_stay_code(fn, h0):
+    args = head_first_inputs("none" if fn is near_prefix_sums_plus_steps else "scalar", h0)
+    got, results = compile_rewritten(fn, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    assert rel_err(got[0], fn(*[a.double() for a in args])) <= FP32_TOL
+    assert any(nm.form == "parallel" for r in results for nm in r.near_misses)
+
+
+def h0_term_by_broadcast_sum(q, k, v, g, h0):
+    """q e^G h0 as a broadcast product and a sum over K: no scores of two steps (e^G is over one)."""
+    G = g.cumsum(2)
+    qe = q * G.exp()
+    return ((qe @ (k * (-G).exp()).transpose(-1, -2)).tril() @ v + (qe[..., :, None] * h0[:, :, None]).sum(-2))
+
+
+@pytest.mark.parametrize("fn,gate", [(h0_term_by_broadcast_sum, "vector"), (h0_in_prefix_sums_scalar_v_first, "scalar")],
+                         ids=lambda x: getattr(x, "__name__", None))
+def test_the_rewrite_is_the_only_finding(fn, gate):
+    """The initial state read by a gated q and summed over K is no normalized attention's scores:
+    explain lists the rewrite and no near miss beside it."""
+    report = gla_inductor.explain(fn, *head_first_inputs(gate, True))
+    assert [(m.form, m.gate, m.options["initial_state"]) for m in report.matches] == [("parallel", gate, True)]
+    assert report.near_misses == []

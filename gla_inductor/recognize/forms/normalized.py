@@ -86,7 +86,9 @@ def find(an: Analyzer) -> tuple[dict, list]:
 
 
 def _is_scores(an: Analyzer, a: fx.Node) -> bool:
-    """One product of two inputs (q, k) contracted over the axes both have, under a decay or a mask."""
+    """One product of two inputs (q, k) contracted over the axes both have, under a decay or a mask
+    over the pairs (i, j): a factor indexed by an axis of q's that k lacks and one of k's that q
+    lacks. (q e^G times an initial state, e^G over (i, K), is no pair of steps.)"""
     av = an.value(a)
     if av is None or av.keep is not None or len(av.terms) != 1 or len(out_vars(av.out)) < 2:
         return False
@@ -94,7 +96,10 @@ def _is_scores(an: Analyzer, a: fx.Node) -> bool:
     data = [f for f in fs if f.kind == "atom" and not static_decay.is_static_atom(an, f)]
     decay = [f for f in fs if f.kind != "scalar" and not any(f is d for d in data)]
     summed = mono_vars(av.terms[0]) - out_vars(av.out)  # (K, or K split in parts by a rotary embedding)
-    return len(data) == 2 and bool(decay) and all(summed <= factor_vars(f) for f in data)
+    if len(data) != 2 or not all(summed <= factor_vars(f) for f in data):
+        return False
+    only_q, only_k = factor_vars(data[0]) - factor_vars(data[1]), factor_vars(data[1]) - factor_vars(data[0])
+    return any(factor_vars(f) & only_q and factor_vars(f) & only_k for f in decay)
 
 
 def _read(an: Analyzer, a: fx.Node) -> Optional[Normalized]:

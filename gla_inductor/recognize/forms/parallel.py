@@ -38,7 +38,7 @@ from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
 from ..certify import trial
-from . import buffer_mask, grouped_heads, normalized, periodic, row_factor, static_decay
+from . import buffer_mask, grouped_heads, normalized, periodic, row_factor, state_sum, static_decay
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
@@ -140,8 +140,8 @@ def _scores_summed(an: Analyzer, av: AV, ov: set) -> Optional[str]:
                 # k^T v summed over time under the causal triangle (a cumsum's prefix sums), not q k^T over K
                 if any(f.kind == "tri" and (mono_vars(scores[0]) - sov) & set(f.idx) for f in scores[0][1]):
                     return (f"the prefix sums of k^T v over time are summed with {n} other term(s) ({names}) before "
-                            "the product with q, expected them alone: the product is not distributed over the sum "
-                            "(an initial state is GLA's as its own term, q h0)")
+                            "the product with q, expected them alone or with one initial state (one tensor without "
+                            "the time axis)")
                 return (f"the scores q k^T D are summed with {n} other term(s) ({names}) before the product with v, "
                         "expected the scores alone: a bonus on the diagonal (RWKV's u) or an added bias is not GLA")
     return None
@@ -212,9 +212,9 @@ def _analyze_normalized(an: Analyzer, node: fx.Node, inst) -> Match:
 def _candidates(an: Analyzer) -> dict:
     if "parallel_candidates" not in an.memo:
         cands = {}
-        unread = periodic.unread(an, lambda n: _candidate(an, an.value(n)) is not None)
+        unread = periodic.unread(an, lambda n: _candidate(an, state_sum.value(an, n)) is not None)
         for n in (n for n in an.graph.nodes if n not in unread):
-            c = _candidate(an, an.value(n))
+            c = _candidate(an, state_sum.value(an, n))
             if c is not None:
                 cands[n] = c
         an.memo["parallel_candidates"] = cands
