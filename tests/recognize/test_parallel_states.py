@@ -60,6 +60,18 @@ def reverse_exclusive_forward_cumsum(q, k, v, g):
     return ((q @ k.transpose(-1, -2)) * D) @ v
 
 
+def reverse_suffix_sums_no_gate(q, k, v):
+    """The suffix sums of the materialized outer products, flip-cumsum-flip over time."""
+    S = (k[..., :, None] * v[..., None, :]).flip(2).cumsum(2).flip(2)
+    return (q[..., :, None] * S).sum(-2)
+
+
+def reverse_suffix_sums_vector(q, k, v, g):
+    G = torch.flip(torch.cumsum(torch.flip(g, [2]), dim=2), dims=(2,))
+    S = torch.flip(torch.cumsum(torch.flip(torch.einsum("bhtk,bhtv->bhtkv", k * (-G).exp(), v), [2]), 2), [2])
+    return torch.einsum("bhtkv,bhtk->bhtv", S, q * G.exp())
+
+
 # ---- initial state ------------------------------------------------------------------------------
 def h0_scalar(q, k, v, g, h0):
     G = g.cumsum(-1)
@@ -149,6 +161,8 @@ GLA = {
         (reverse_constant, "constant", False, {"reverse": True}),
         (reverse_no_gate, "none", False, {"reverse": True}),
         (reverse_exclusive_forward_cumsum, "scalar", False, {"reverse": True}),
+        (reverse_suffix_sums_no_gate, "none", False, {"reverse": True}),
+        (reverse_suffix_sums_vector, "vector", False, {"reverse": True}),
         (h0_scalar, "scalar", True, {"reverse": False, "initial_state": True}),
         (h0_vector, "vector", True, {"initial_state": True}),
         (h0_constant, "constant", True, {"initial_state": True}),
@@ -328,3 +342,32 @@ def test_the_rewrite_is_the_only_finding(fn, gate):
     report = gla_inductor.explain(fn, *head_first_inputs(gate, True))
     assert [(m.form, m.gate, m.options["initial_state"]) for m in report.matches] == [("parallel", gate, True)]
     assert report.near_misses == []
+
+
+def bidirectional_sums(q, k, v):
+    """Prefix sums read forward plus suffix sums read backward: two ops, one of each direction."""
+    kv = k[..., :, None] * v[..., None, :]
+    return (q[..., :, None] * kv.cumsum(2)).sum(-2) + (q[..., :, None] * kv.flip(2).cumsum(2).flip(2)).sum(-2)
+
+
+def test_prefix_and_suffix_sums_are_two_ops():
+    matches = check_rewrite_exact(bidirectional_sums, head_first_inputs("none"))
+    assert sorted(m.options["reverse"] for m in matches) == [False, True]
+
+
+def flipped_along_keys(q, k, v):
+    """flip-cumsum-flip with the flips over K: the prefix sums, each row's keys reversed twice."""
+    return (q[..., :, None] * (k[..., :, None] * v[..., None, :]).flip(3).cumsum(2).flip(3)).sum(-2)
+
+
+def suffix_sums_in_reversed_rows(q, k, v):
+    """flip-cumsum without the last flip: row t holds the suffix sums from T - 1 - t."""
+    return (q[..., :, None] * (k[..., :, None] * v[..., None, :]).flip(2).cumsum(2)).sum(-2)
+
+
+@pytest.mark.parametrize("fn", [flipped_along_keys, suffix_sums_in_reversed_rows], ids=lambda f: f.__name__)
+def test_flips_that_are_no_suffix_sums_stay_code(fn):
+    args = head_first_inputs("none")
+    got, _ = compile_rewritten(fn, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    assert rel_err(got[0], fn(*[a.double() for a in args])) <= FP32_TOL

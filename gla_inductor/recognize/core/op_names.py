@@ -24,7 +24,7 @@ _FUNCTIONS = {
     torch.select: "select", torch.narrow: "narrow", torch.unbind: "unbind",
     torch.clone: "identity", torch.broadcast_to: "expand", torch.flatten: "reshape",
     torch.unflatten: "reshape", torch.repeat_interleave: "repeat_interleave", getattr: "getattr",
-    torch.cumsum: "cumsum",
+    torch.cumsum: "cumsum", torch.flip: "flip",
     # x.mT, x.mH, x.T as Dynamo traces them since torch 2.15 (before: getattr(x, "mT"))
     torch.ops.aten.mT: "mT", torch.ops.aten.mH: "mH", torch.ops.aten.numpy_T: "numpy_T",
 }
@@ -41,7 +41,7 @@ _METHODS = {
     "tril": "tril", "triu": "triu", "select": "select", "narrow": "narrow", "unbind": "unbind",
     "view_as": "reshape", "reshape_as": "reshape", "__getitem__": "getitem",
     "flatten": "reshape", "unflatten": "reshape", "repeat_interleave": "repeat_interleave",
-    "repeat": "repeat", "pow": "pow", "__pow__": "pow", "cumsum": "cumsum",
+    "repeat": "repeat", "pow": "pow", "__pow__": "pow", "cumsum": "cumsum", "flip": "flip",
 }
 
 # Ops whose value is their operand's, re-indexed: their abstract value keeps the operand's root.

@@ -568,8 +568,29 @@ def _op_cumsum(an, node, a, dim, dtype=None, **kw):
     triangle s <= t (a "tri" factor over (t, s)), so a query's product with it reads as q k^T v
     contracted over time under a mask. Anything else (a log gate's cumsum, which the decay readers
     take as a cumulative gate; a sum that already contracts positions) stays an atom."""
+    if not isinstance(dim, int) or dtype is not None:
+        return None
+    return _prefix_sum(an, a, dim, lower=True)
+
+
+def _op_flip(an, node, a, *dims, **kw):
+    """A suffix sum over time of an outer product, flip(cumsum(flip(k (x) v, t), t), t) (the
+    reverse form's states, materialized): as a prefix sum (_op_cumsum), under the anti-causal
+    triangle s >= t. Any other flip stays an atom."""
+    d = flip_dim(node)
+    if d is None or not isinstance(a, fx.Node) or cumsum_dim(a) != d:
+        return None
+    inner = an.read(a, a.args[0])
+    if flip_dim(inner) != d:
+        return None
+    return _prefix_sum(an, an.read(inner, inner.args[0]), d, lower=False)
+
+
+def _prefix_sum(an, a, dim: int, lower: bool) -> Optional[AV]:
+    """The sum of an outer product over the steps s <= t of its time axis `dim` (s >= t where not
+    `lower`), or None where `a` is no outer product at one time step."""
     na, va = an.operand(a)
-    if na is None or va.keep is not None or len(va.terms) != 1 or not isinstance(dim, int) or dtype is not None:
+    if na is None or va.keep is not None or len(va.terms) != 1:
         return None
     d = dim % len(va.out)
     t = va.out[d]
@@ -579,7 +600,29 @@ def _op_cumsum(an, node, a, dim, dtype=None, **kw):
         return None  # no outer product over the other axes
     s = an.fresh(an.sizes[t])
     coef, fs = sub_mono(va.terms[0], {t: s})
-    return AV(va.out, ((coef, fs + (Factor("tri", (t, s), lower=True, diagonal=0),)),), None, va.origin)
+    return AV(va.out, ((coef, fs + (Factor("tri", (t, s), lower=lower, diagonal=0),)),), None, va.origin)
+
+
+def cumsum_dim(node) -> Optional[int]:
+    """The axis a cumsum node sums along (non-negative), None for another node or a cast sum."""
+    if not isinstance(node, fx.Node) or op_name(node) != "cumsum":
+        return None
+    if not isinstance(node.args[0], fx.Node) or node.kwargs.get("dtype") is not None:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return dim % example_value(node).dim() if isinstance(dim, int) else None
+
+
+def flip_dim(node) -> Optional[int]:
+    """The one axis a flip node reverses (non-negative), None for another node or several axes."""
+    if not isinstance(node, fx.Node) or op_name(node) != "flip" or not isinstance(node.args[0], fx.Node):
+        return None
+    dims = node.args[1:] if len(node.args) > 1 else (node.kwargs.get("dims"),)
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = tuple(dims[0])
+    if len(dims) != 1 or not isinstance(dims[0], int):
+        return None
+    return dims[0] % example_value(node).dim()
 
 
 RULES = {
@@ -592,4 +635,5 @@ RULES = {
     "repeat_interleave": _op_repeat_interleave, "repeat": _op_repeat, "expand": _op_expand,
     "getitem": _op_getitem, "select": _op_select, "narrow": _op_narrow,
     "masked_fill": _op_masked_fill, "where": _op_where, "tril": _op_tril, "triu": _op_triu, "cumsum": _op_cumsum,
+    "flip": _op_flip,
 }

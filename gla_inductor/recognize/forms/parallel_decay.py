@@ -27,7 +27,7 @@ from ..core.analyzer import Analyzer
 from ..core.consts import size_hint
 from ..core.emit import LFactor, lfactor
 from ..core.match import Reject
-from ..core.op_names import op_name
+from ..core.rules import cumsum_dim, flip_dim
 
 # Weights are checked on a sequence of this many steps: the indicators a weight sums depend
 # only on where u lies against i, against j and against the two ends, and every such case
@@ -162,14 +162,14 @@ def _end(index: int, T: int) -> str:
 def _cumulative(an: Analyzer, node: fx.Node) -> tuple:
     """(s, time axis, "fwd") for cumsum(s), (s, axis, "rev") for flip(cumsum(flip(s))) along
     one axis, else (node, None, "raw"); each step reading its input unmodified."""
-    d = _cumsum_dim(node)
+    d = cumsum_dim(node)
     if d is not None and _fresh(an, node):
         return node.args[0], d, "fwd"
-    d = _flip_dim(node)
+    d = flip_dim(node)
     cs = node.args[0] if d is not None else None
-    if isinstance(cs, fx.Node) and _cumsum_dim(cs) == d and _fresh(an, node) and _fresh(an, cs):
+    if isinstance(cs, fx.Node) and cumsum_dim(cs) == d and _fresh(an, node) and _fresh(an, cs):
         inner = cs.args[0]
-        if _flip_dim(inner) == d and isinstance(inner.args[0], fx.Node) and _fresh(an, inner):
+        if flip_dim(inner) == d and isinstance(inner.args[0], fx.Node) and _fresh(an, inner):
             return inner.args[0], d, "rev"
     return node, None, "raw"
 
@@ -178,26 +178,6 @@ def _fresh(an: Analyzer, node: fx.Node) -> bool:
     """Whether `node` reads its first argument as that argument was computed."""
     x = node.args[0]
     return isinstance(x, fx.Node) and an.versions.get((node, x), x) is x
-
-
-def _cumsum_dim(node: fx.Node) -> Optional[int]:
-    if op_name(node) != "cumsum":
-        return None
-    if not isinstance(node.args[0], fx.Node) or node.kwargs.get("dtype") is not None:
-        return None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    return dim % rank_of(node) if isinstance(dim, int) else None
-
-
-def _flip_dim(node) -> Optional[int]:
-    if not isinstance(node, fx.Node) or not (node.op == "call_function" and node.target is torch.flip or node.op == "call_method" and node.target == "flip"):
-        return None
-    dims = node.args[1:] if len(node.args) > 1 else (node.kwargs.get("dims"),)
-    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
-        dims = tuple(dims[0])
-    if len(dims) != 1 or not isinstance(dims[0], int):
-        return None
-    return dims[0] % rank_of(node)
 
 
 # Which steps u the recurrence decays over, for each kind of exponent.
