@@ -17,8 +17,9 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..core.algebra import AV, Opaque, merge_exps, mono_vars, out_vars, resolve, sub_mono
+from ..core.algebra import AV, merge_exps, mono_vars, out_vars
 from ..core.analyzer import Analyzer
+from .steps import aligned
 
 
 def value(an: Analyzer, node: fx.Node) -> Optional[AV]:
@@ -52,21 +53,11 @@ def _opened(an: Analyzer, f) -> Optional[tuple]:
     steps = {v for g in prefix[0][1] if g.kind == "tri" for v in _vars_of(g)} & out_vars(sv.out)
     if mono_vars(other[0]) & steps:
         return None  # a tensor over time: no initial state (the parallel form names it as a term)
+    # the bracket's variables fresh (its summed ones cannot meet the product's), its axes on f's
     inst = an.instantiate(sv)
-    mp: dict = {}
-    for target, entry in zip(f.idx, inst.out):
-        if entry is None:
-            continue
-        if target is None:
-            return None  # a broadcast axis of the bracket
-        try:
-            an.unify(target, entry, mp)
-        except Opaque:
-            return None
-        if resolve(target, mp) != target:
-            return None  # the product's own variable would be split
-    # (the bracket's summed variables are fresh: they cannot meet the product's)
-    terms = tuple(sub_mono(t, mp) for t in inst.terms)
+    terms = tuple((c, aligned(an, f.idx, inst.out, fs)) for c, fs in inst.terms)
+    if any(fs is None for _, fs in terms):
+        return None
     return terms, inst.origin
 
 

@@ -127,14 +127,14 @@ def _expanded_term(an: Analyzer, m: Mono, out: tuple) -> Optional[Mono]:
     inv = _inverse(fs_y)
     if inv is None or cy == 0:
         return None
-    fs_x, inv = _aligned(an, f.idx, out_x, fs_x), _aligned(an, f.idx, out_y, inv)
+    fs_x, inv = aligned(an, f.idx, out_x, fs_x), aligned(an, f.idx, out_y, inv)
     if fs_x is None or inv is None:
         return None
     rest = tuple(g for g in m[1] if g is not f)
     return (m[0] * cx / cy, rest + fs_x + inv)
 
 
-def _aligned(an: Analyzer, target: tuple, entries: tuple, fs: tuple) -> Optional[tuple]:
+def aligned(an: Analyzer, target: tuple, entries: tuple, fs: tuple) -> Optional[tuple]:
     """The factors fs of an operand whose axes are `entries`, on the quotient's variables
     `target` (right-aligned broadcasting). An operand axis the code merged from parts (a
     rotary key's K from its halves) is collapsed back onto the quotient's one variable, where
