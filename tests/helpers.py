@@ -154,6 +154,30 @@ def loop_reference_grads(inputs: dict, do, dht=None, **kw):
     return o.detach(), ht.detach(), dict(zip(names, grads))
 
 
+def compiled_fwd_bwd(fwd, x: dict, do=1.0, dht=1.0) -> tuple:
+    """(o, ht, forward code, backward code): a compiled fwd(x) -> (o, ht) run with the backward of
+    sum(o * do) + sum(ht * dht) in float64, and the code Inductor generated for each."""
+    from torch._inductor.utils import run_and_get_code
+
+    def fwd_bwd():
+        o, ht = fwd(x)
+        ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+        return o, ht
+
+    (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+    return o, ht, fwd_code, bwd_code
+
+
+def assert_loop_exact(x: dict, o, ht, do=1.0, dht=1.0, **kw) -> None:
+    """o, ht and the gradients in x's leaves (of that loss) against the float64 time loop
+    (loop_reference_grads), within the kernels' fp32 bounds: 1e-5 for the values, 1e-4 for the
+    gradients (a gate's gradient sums cancelling terms)."""
+    o64, ht64, grads = loop_reference_grads(x, do, dht, **kw)
+    assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
+    for name, want in grads.items():
+        assert rel_norm_err(x[name].grad, want) < 1e-4, name
+
+
 def forward_and_grads(fn, inputs: dict, output_final_state: bool = True, seed: int = 1, **kw):
     """o, the final state and the gradient of every given input (fresh leaves: the caller's tensors
     are left as they are) under random upstream gradients, drawn in float64 whatever the output

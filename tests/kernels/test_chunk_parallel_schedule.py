@@ -22,7 +22,8 @@ from gla_inductor.gates import GateFn, log_gate
 from gla_inductor.kernels import chunk as kchunk, configs as kconfigs
 from gla_inductor.reference import naive_recurrent_gla
 
-from helpers import assert_rel_close, gla_inputs, loop_reference, loop_reference_grads, placed, rel_norm_err
+from helpers import (assert_loop_exact, assert_rel_close, compiled_fwd_bwd, gla_inputs, loop_reference,
+                     loop_reference_grads, placed, rel_norm_err)
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("jinja2")
@@ -343,8 +344,6 @@ EXTERN_CALL = re.compile(r"^\s*[\w, ]+ = torch\.ops\.gla_inductor\.\w+\.default\
 def test_lowering_runs_the_segmented_scans(gate, monkeypatch, inductor_triton):
     """In a compiled graph each segmented scan is two templates, the segments' sums then the walk:
     forward one pair, backward two; o, the final state and the gradients exact."""
-    from torch._inductor.utils import run_and_get_code
-
     import gla_inductor
     from gla_inductor.lowerings import chunk as lowering
 
@@ -359,22 +358,14 @@ def test_lowering_runs_the_segmented_scans(gate, monkeypatch, inductor_triton):
     def fwd(x):
         return gla_inductor.chunk_gla(**x, output_final_state=True, reverse=True)
 
-    def fwd_bwd():
-        o, ht = fwd(x)
-        (o.double().sum() + ht.double().sum()).backward()
-        return o, ht
-
     try:
-        (o, ht), (fwd_code, bwd_code) = run_and_get_code(fwd_bwd)
+        o, ht, fwd_code, bwd_code = compiled_fwd_bwd(fwd, x)
     finally:
         torch._dynamo.reset()
     assert not EXTERN_CALL.search(fwd_code + bwd_code)
     assert fwd_code.count(SEGSUM_KERNEL) == 1 and fwd_code.count(SCAN_KERNEL) == 1
     assert bwd_code.count(SEGSUM_KERNEL) == 2 and bwd_code.count(SCAN_KERNEL) == 2
-    o64, ht64, grads = loop_reference_grads(x, 1.0, 1.0, reverse=True)
-    assert rel_norm_err(o, o64) < 1e-5 and rel_norm_err(ht, ht64) < 1e-5
-    for name, want in grads.items():
-        assert rel_norm_err(x[name].grad, want) < 1e-4, name
+    assert_loop_exact(x, o, ht, reverse=True)
 
 
 @needs_kernels
