@@ -66,8 +66,7 @@ def default_recurrent_config(B: int, H: int, K: int, V: int, device: torch.devic
     before the output's reduction (the writes then overlap it) did best (bf16: 56 -> 66%; V-first
     65 -> 84%), where for fp32 the early store lost (88 -> 77%).
 
-    One step (``steps == 1``, decoding) may walk the tile in blocks, the next block's loads in flight
-    while one updates (``_one_step_blocks``).
+    One step (``steps == 1``, decoding) may walk the tile in blocks (``_one_step_blocks``).
     """
     half = state_dtype.itemsize == 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
@@ -97,15 +96,18 @@ def _one_step_blocks(pairs: int, K: int, V: int, sms: int, half: bool,
     itself is not at full bandwidth there); the K-first value tile narrows as the whole tiles' does
     while the programs leave SMs idle (B = 1), its blocks keeping 2048 elements. With more pairs, a
     16-bit K-first state in blocks of 16 keys by 128 values with 2 warps reached 89-91% where whole
-    tiles reached 76-77%, and the others kept whole tiles (within 3% of the best blocks)."""
+    tiles reached 76-77%, and fp32 states kept whole tiles (within 3% of the best blocks). A 16-bit
+    V-first state takes the few pairs' value blocks there too: on an H200 they reached 89% and 91%
+    of the floor at B = 64 and 256 where whole tiles reached 85% and 88%
+    (benchmarks/results/h200-2026-11-29-pool-blocks.md)."""
     BK, wide = max(16, pow2(K)), min(max(16, pow2(V)), 128)
+    if keys_contiguous and (pairs < 4 * sms or half):
+        return RecurrentConfig(block_v=min(wide, 32), num_warps=1, num_stages=2, value_block=16)
     if pairs < 4 * sms:
-        if keys_contiguous:
-            return RecurrentConfig(block_v=min(wide, 32), num_warps=1, num_stages=2, value_block=16)
         # blocks of 2048 elements; the value tile narrows while the programs leave SMs idle (B = 1)
         block_v = _narrowed(min(wide, 64), pairs, V, sms)
         return RecurrentConfig(block_v=block_v, num_warps=2, num_stages=2, key_block=min(BK, 2048 // block_v))
-    if half and not keys_contiguous:
+    if half:
         return RecurrentConfig(block_v=wide, num_warps=2, num_stages=2, key_block=min(BK, 2048 // wide))
     return None
 

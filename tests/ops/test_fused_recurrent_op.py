@@ -243,15 +243,17 @@ def test_default_config_by_state_layout_and_dtype():
 
 def test_one_step_blocks_by_pairs_dtype_and_layout():
     """One step (a GPU with 132 SMs): fewer than 4 (batch, head) pairs per SM walk blocks of 32 keys
-    (K-first) or 16 values (V-first); more pairs keep whole tiles but for 16-bit K-first states,
-    in blocks of 16 keys by 128 values; block sizes never pass the padded head sizes."""
+    (K-first) or 16 values (V-first); more pairs keep whole tiles but for 16-bit states: K-first in
+    blocks of 16 keys by 128 values, V-first in the few pairs' blocks of 16 values; block sizes
+    never pass the padded head sizes."""
     Config = krecurrent.RecurrentConfig
     blocks = krecurrent._one_step_blocks
     assert blocks(16 * 32, 128, 128, 132, False, False) == Config(64, 2, 2, key_block=32)
     assert blocks(16 * 32, 128, 128, 132, True, True) == Config(32, 1, 2, value_block=16)
     assert blocks(64 * 32, 128, 128, 132, True, False) == Config(128, 2, 2, key_block=16)
     assert blocks(64 * 32, 128, 128, 132, False, False) is None
-    assert blocks(64 * 32, 128, 128, 132, True, True) is None
+    assert blocks(64 * 32, 128, 128, 132, True, True) == Config(32, 1, 2, value_block=16)
+    assert blocks(64 * 32, 128, 128, 132, False, True) is None
     assert blocks(64 * 32, 8, 16, 132, True, False) == Config(16, 2, 2, key_block=16)
     assert blocks(4, 8, 12, 132, False, False) == Config(16, 2, 2, key_block=16)
     assert blocks(32, 128, 128, 132, False, False) == Config(16, 2, 2, key_block=128)  # B = 1: 256 programs
