@@ -17,7 +17,7 @@ of their own row sums are read by ``normalized.py``: the row sums come from the 
 the rewrite is certified by trial (``certify/trial.py``). q and k with fewer heads than v,
 repeated over the heads in the code, reach the op unrepeated (``grouped_heads.head_letters``).
 Left alone with a reason: a decay computed from a function's arguments, scores read by anything
-but their row sums, and what discovery finds that is no candidate (``_not_candidates``).
+but their row sums, and what discovery finds that is no candidate (``not_candidates``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from . import buffer_mask, grouped_heads, normalized, periodic, row_factor, stat
 from .parallel_decay import (
     COEF_RTOL, Gate, all_steps, check_decay, final_window, read_gate, start_window,
 )
+from .parallel_terms import data_atoms, input_leaves, input_name, is_parallel, not_candidates
 
 
 @dataclass
@@ -96,75 +97,7 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
         else:
             near.append(NearMiss("parallel", str(r), [n]))
     reported = {n for nm in norm_near for n in nm.nodes} | {x for i in insts.values() for x in (i.scores, *i.nodes())}
-    return matches, near + norm_near + _not_candidates(an, cands, reported)
-
-
-def _not_candidates(an: Analyzer, cands: dict, reported: set) -> list:
-    """Near misses for the values discovery finds that are no candidate, each with the first fact
-    that failed: an attention term (three or four inputs under a decay, contracted over time), or
-    scores q k^T D summed with other terms and then contracted with v over time (the sum is one
-    input of the product: the analysis does not distribute it). A value computed from a
-    candidate or from such a value is skipped: it is reported once."""
-    found, seen = [], set(cands) | reported
-    for n in an.nodes:
-        av = an.value(n)
-        if n in seen or av is None or av.keep is not None or any(a in seen for a in n.all_input_nodes):
-            continue
-        ov = out_vars(av.out)
-        par = [m for m in av.terms if _is_parallel(an, m, ov) and _has_decay(an, m)]
-        why = _why_not_candidate(an, av, par) if par else _scores_summed(an, av, ov)
-        if why is not None:
-            seen.add(n)
-            found.append(NearMiss("parallel", why, [n]))
-    return found
-
-
-def _scores_summed(an: Analyzer, av: AV, ov: set) -> Optional[str]:
-    """Why a product of two inputs contracted over one axis, one of them scores q k^T D plus other
-    terms, is not GLA; None where it is no such product."""
-    for m in av.terms:
-        atoms = _data_atoms(an, m[1])
-        if len(atoms) != 2 or len(mono_vars(m) - ov) != 1:
-            continue
-        for f in atoms:
-            sv = an.value(f.atom.node)
-            if sv is None or sv.keep is not None or len(sv.terms) < 2:
-                continue
-            sov = out_vars(sv.out)
-            scores = [t for t in sv.terms if len(_data_atoms(an, t[1])) == 2 and _has_decay(an, t)
-                      and len(mono_vars(t) - sov) == 1]
-            if len(scores) == 1:
-                others = sorted({_input_name(g.atom.node) for t in sv.terms if t is not scores[0]
-                                 for g in t[1] if g.kind == "atom"})
-                n, names = len(sv.terms) - 1, ", ".join(others) or "constants"
-                # k^T v summed over time under the causal triangle (a cumsum's prefix sums), not q k^T over K
-                if any(f.kind == "tri" and (mono_vars(scores[0]) - sov) & set(f.idx) for f in scores[0][1]):
-                    return (f"the prefix sums of k^T v over time are summed with {n} other term(s) ({names}) before "
-                            "the product with q, expected them alone or with one initial state (one tensor without "
-                            "the time axis)")
-                return (f"the scores q k^T D are summed with {n} other term(s) ({names}) before the product with v, "
-                        "expected the scores alone: a bonus on the diagonal (RWKV's u) or an added bias is not GLA")
-    return None
-
-
-def _has_decay(an: Analyzer, m) -> bool:
-    """Whether a monomial has a factor that may be a decay or a mask (not an input, not a number):
-    without one, a product of matrices is no attention that discovery looks for."""
-    return any(f.kind not in ("atom", "scalar") or static_decay.is_static_atom(an, f) for f in m[1])
-
-
-def _why_not_candidate(an: Analyzer, av: AV, par: list) -> str:
-    if len(par) > 1:
-        return (f"the output sums {len(par)} attention terms (products of three inputs under a decay, "
-                "contracted over time), expected one: a second attention or a bonus on the diagonal is not GLA")
-    names = sorted(_input_name(f.atom.node) for f in _data_atoms(an, par[0][1]))
-    if len(names) == 4:
-        return (f"the attention term multiplies four inputs ({', '.join(names)}), expected three (q, k, v) "
-                "and a decay computed from positions, constants, gates or module buffers")
-    rest = [m for m in av.terms if m is not par[0]]
-    others = sorted({_input_name(f.atom.node) for m in rest for f in m[1] if f.kind == "atom"})
-    return (f"the output adds {len(rest)} term(s) of {', '.join(others) or 'constants'} to the attention, "
-            "expected at most one: q times an initial state, contracted over K")
+    return matches, near + norm_near + not_candidates(an, cands, reported)
 
 
 def _within(a: Candidate, b: Candidate) -> bool:
@@ -227,24 +160,13 @@ def _candidate(an: Analyzer, av: Optional[AV]) -> Optional[Candidate]:
     if av is None or av.keep is not None or not 1 <= len(av.terms) <= 2:
         return None
     ov = out_vars(av.out)
-    par = [m for m in av.terms if _is_parallel(an, m, ov)]
-    if len(par) != 1 or len(_data_atoms(an, par[0][1])) == 4 and _input_decay_reason(an, av, par[0]) is None:
+    par = [m for m in av.terms if is_parallel(an, m, ov)]
+    if len(par) != 1 or len(data_atoms(an, par[0][1])) == 4 and _input_decay_reason(an, av, par[0]) is None:
         return None
     rest = [m for m in av.terms if m is not par[0]]
     if rest and not _is_state_read(rest[0], ov):
         return None
     return Candidate(av, par[0], rest[0] if rest else None)
-
-
-def _is_parallel(an: Analyzer, m, ov: set) -> bool:
-    """Three inputs under a decay, contracted over time and K (over time alone where K has
-    size 1). A tensor computed from positions and module state only (RetNet's decay mask from a
-    per-head buffer) is part of the decay, not an input."""
-    return len(_data_atoms(an, m[1])) in (3, 4) and len(mono_vars(m) - ov) >= 1 and len(m[1]) > 3
-
-
-def _data_atoms(an: Analyzer, fs) -> list:
-    return [f for f in fs if f.kind == "atom" and not static_decay.is_static_atom(an, f)]
 
 
 def _is_state_read(m, ov: set) -> bool:
@@ -265,47 +187,24 @@ def _input_decay_reason(an: Analyzer, av: AV, term) -> Optional[str]:
     """Why a product of four inputs is left alone where one of them is a decay D[.., i, j] of
     the other three's attention: it is computed from inputs that change from call to call.
     None where none of them is such a decay."""
-    atoms = _data_atoms(an, term[1])
+    atoms = data_atoms(an, term[1])
     for d in atoms:
         try:
             r = _roles(an, av, term, [f for f in atoms if f is not d])
         except Reject:
             continue
         if {r.i, r.j} <= factor_vars(d) <= set(r.batch) | {r.i, r.j}:
-            inputs = sorted({_input_name(x) for x in _leaves(d.atom.node)})
+            inputs = sorted({input_name(x) for x in input_leaves(d.atom.node)})
             return (f"the decay D[i, j] is computed from the input(s) {', '.join(inputs)} (not constants or "
                     "module buffers): its values change from call to call, so its form cannot be proven")
     return None
-
-
-def _input_name(node: fx.Node) -> str:
-    """The user's name of a graph input (L['gamma'] -> gamma), else the node's."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name
-    if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
-        return name[3:-2]
-    return name if isinstance(name, str) else node.name
-
-
-def _leaves(node: fx.Node) -> list:
-    seen, frontier, found = set(), [node], []
-    while frontier:
-        n = frontier.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            found.append(n)
-        frontier += n.all_input_nodes
-    return found
 
 
 def _roles(an: Analyzer, av: AV, term, atoms: Optional[list] = None) -> Roles:
     """q, k, v and the axes: i (query time), j (key time, summed), kk (summed), vv (kept).
     K or V of size 1 has no variable (kk or vv is None): a size-1 contraction is a product."""
     coef, fs = term
-    atoms = _data_atoms(an, fs) if atoms is None else atoms
+    atoms = data_atoms(an, fs) if atoms is None else atoms
     # time and value are single axes; batch entries may be roles merged (B * H for bmm)
     out = [v for v in av.out if type(v) is int]
     summed = mono_vars(term) - out_vars(av.out)
@@ -400,7 +299,7 @@ def _same_size(an: Analyzer, x: int, y: Optional[int]) -> bool:
 def _analyze(an: Analyzer, node: fx.Node, cand: Candidate, norm=None) -> Match:
     cand = _merge_split_key(an, cand)
     av = cand.av
-    if len(_data_atoms(an, cand.par[1])) == 4:  # (a candidate only where one is such a decay)
+    if len(data_atoms(an, cand.par[1])) == 4:  # (a candidate only where one is such a decay)
         raise Reject(_input_decay_reason(an, av, cand.par))
     r = _roles(an, av, cand.par)
     coef, fs = cand.par
