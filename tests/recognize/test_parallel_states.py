@@ -295,6 +295,37 @@ def test_state_term_off_by_one_stays_code(fn, h0, left_out):
     assert matches[0].options[left_out] is False
 
 
+@pytest.mark.parametrize("fn,why", [
+    (near_h0_one_step_short, "the decay of the state does not match the attention's"),
+    (near_h0_scaled_apart, "the initial-state term is scaled differently from the attention"),
+    (near_h0_forward_in_reverse, "the decay of the state does not match the attention's"),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_state_term_left_out_says_why(fn, why):
+    """The attention is rewritten alone; explain names the state term's fault under the parallel
+    form (not a chunked reading that failed its certificate)."""
+    report = gla_inductor.explain(fn, *head_first_inputs("scalar", True))
+    assert [(m.form, m.options["initial_state"]) for m in report.matches] == [("parallel", False)]
+    assert [(nm.form, nm.reason) for nm in report.near_misses] == [("parallel", f"{why}; the attention alone is GLA")]
+
+
+def h0_added_twice(q, k, v, g, h0):
+    """The prefix sums plus h0 plus 2 h0: loop-free code, no recurrence."""
+    G = g.cumsum(2)
+    kv = (k * (-G).exp())[..., :, None] * v[..., None, :]
+    return ((q * G.exp())[..., :, None] * (kv.cumsum(2) + h0[:, :, None] + 2 * h0[:, :, None])).sum(-2)
+
+
+def test_a_longer_sum_in_the_bracket_is_no_loop():
+    """(x + h0) + 2 h0 is a sum of three tensors: explain gives no loop-form reason (an
+    elementwise recurrence) for code without a loop; the code runs as written."""
+    args = head_first_inputs("vector", True)
+    report = gla_inductor.explain(h0_added_twice, *args)
+    assert report.matches == [] and not any(nm.form == "loop" for nm in report.near_misses)
+    got, _ = compile_rewritten(h0_added_twice, args)
+    assert counters["gla_inductor"]["rewrites"] == 0
+    assert rel_err(got[0], h0_added_twice(*[a.double() for a in args])) <= FP32_TOL
+
+
 def near_prefix_sums_plus_steps(q, k, v):
     """A tensor over time added to the prefix sums: no initial state."""
     kv = k[..., :, None] * v[..., None, :]
@@ -353,6 +384,14 @@ def bidirectional_sums(q, k, v):
 def test_prefix_and_suffix_sums_are_two_ops():
     matches = check_rewrite_exact(bidirectional_sums, head_first_inputs("none"))
     assert sorted(m.options["reverse"] for m in matches) == [False, True]
+
+
+def test_two_ops_summed_are_the_only_findings():
+    """The sum of the two attentions is no chunked computation that failed its certificate:
+    explain lists the two rewrites and nothing beside them."""
+    report = gla_inductor.explain(bidirectional_sums, *head_first_inputs("none"))
+    assert sorted((m.form, m.options["reverse"]) for m in report.matches) == [("parallel", False), ("parallel", True)]
+    assert report.near_misses == []
 
 
 def flipped_along_keys(q, k, v):

@@ -37,6 +37,7 @@ from ..core.analyzer import Analyzer
 from ..core.consts import example_value, size_hint
 from ..core.emit import Emitter, Group, LFactor, emit_op, lfactor, sizes_from
 from ..core.match import Match, NearMiss, Reject
+from ..core.op_names import op_name
 from ..certify import trial
 from . import buffer_mask, grouped_heads, normalized, periodic, row_factor, state_sum, static_decay
 from .parallel_decay import (
@@ -82,6 +83,9 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             continue
         if any(a in covered and extends(a, n) for a in n.all_input_nodes):
             covered.add(n)  # computed from a replaced candidate: it follows from it
+            r = analyze(an, n)
+            if not isinstance(r, Match):  # plus a state term that is not GLA's: computed as written
+                near.append(NearMiss("parallel", f"{r}; the attention alone is GLA", [n]))
             continue
         r = analyze(an, n)
         if isinstance(r, Match):
@@ -105,6 +109,15 @@ def _within(a: Candidate, b: Candidate) -> bool:
     q k^T D of b = scores @ v, read alone as a product of three inputs)."""
     names_a, names_b = _names(a), _names(b)
     return len(names_b) > len(names_a) and all(names_b.count(x) >= names_a.count(x) for x in names_a)
+
+
+def judged(an: Analyzer, node: fx.Node) -> bool:
+    """Whether this module reads `node` (rewritten, or left alone with its reason): a candidate, or
+    a sum of candidates (a forward and a backward attention added)."""
+    cands = _candidates(an)
+    if node in cands:
+        return True
+    return op_name(node) in ("add", "sub") and all(a in cands for a in node.all_input_nodes)
 
 
 def proven(an: Analyzer, node: fx.Node) -> bool:

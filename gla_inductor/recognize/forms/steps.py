@@ -306,6 +306,7 @@ def unsupported_update_reason(an: Analyzer, node: fx.Node) -> Optional[str]:
     selfish = [m for m in av.terms if any(is_full_atom(f, av.out) for f in m[1])]
     # a state is an earlier update or comes from outside; `G[:, :1] - G` updates nothing
     states = {f.atom.node for m in selfish for f in m[1] if is_full_atom(f, av.out) and _state_like(f.atom.node)}
+    states = {s for s in states if not _part_of_sum(an, s, node, selfish)}
     if not states:
         return None
     summed = [m for m in av.terms if mono_vars(m) - out_set]
@@ -325,6 +326,18 @@ def unsupported_update_reason(an: Analyzer, node: fx.Node) -> Optional[str]:
                "u k^T v added to the state before its update in the read); expected it used by the update alone")
         return why + _decay_over_all(selfish, states | {shared}, av.out)
     return None
+
+
+def _part_of_sum(an: Analyzer, s: fx.Node, update: fx.Node, terms: list) -> bool:
+    """Whether `s` is the first part of a longer sum, (x + a) + b, rather than a state: a sum read
+    by `update` alone, undecayed (its `terms` hold it times a number only), whose own terms read
+    no state (loop-free code adding three tensors)."""
+    reading = [fs for _, fs in terms if any(f.kind == "atom" and f.atom.node is s for f in fs)]
+    if op_name(s) not in ("add", "sub") or list(s.users) != [update] or any(len(fs) != 1 for fs in reading):
+        return False
+    av = an.value(s)
+    return av is not None and not any(is_full_atom(f, av.out) and _state_like(f.atom.node)
+                                      for _, fs in av.terms for f in fs)
 
 
 def _shared_outer(an: Analyzer, av: AV, update: fx.Node) -> Optional[fx.Node]:
