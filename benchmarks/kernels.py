@@ -9,7 +9,9 @@ Forward and forward+backward ms (events: the host's launch overhead included whe
 slower side), the forward in a CUDA graph (GPU time alone), the forward's share of its byte floor
 (q, k, v, g read once and o written once at the copy bandwidth measured in the same run), the peak
 extra memory of forward+backward, and the first call's seconds (compiles, FLA's autotuning).
-Implementations are timed in interleaved rounds, shape by shape.
+Implementations are timed in interleaved rounds, shape by shape. FLA's saved autotune results
+(``benchmarks/fla_autotune``, see ``fla_warm.py``) are loaded into Triton's cache first: where they
+hold its tuning keys, FLA's first call compiles instead of autotuning for up to minutes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks import harness, inputs, report
+from benchmarks import fla_warm, harness, inputs, report
 
 IMPLS = ("ours", "fla", "naive", "compiled")
 NAIVE_BYTES_LIMIT = 40 * 2**30  # three [B, H, T, T] fp32 matrices above this are not attempted
@@ -32,6 +34,7 @@ def add_arguments(p) -> None:
                    + " (default: all)")
     p.add_argument("--custom", help="shapes 'B,T,H,K,V;...' instead of the standard ones")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    fla_warm.add_autotune_arguments(p)
 
 
 def implementations(names: list, gates: list, notes: list) -> dict:
@@ -134,7 +137,9 @@ def run_shape(shape, impls: dict, bw: float, rounds: int) -> list:
 
 def run(args):
     harness.require_cuda("kernels")
+    fla_warm.cache_dir()  # before the first compile
     notes = []
+    fla_warm.autotune_before(args, notes)
     gates = args.gates.split(",")
     impls = implementations(args.impls.split(","), gates, notes)
     if args.custom:
@@ -157,6 +162,7 @@ def run(args):
     result.plot = lambda path: report.bar_plot(path, [r for r in result.rows if "fwd_ms" in r],
                                                lambda r: ",".join(map(str, r["shape"])), "impl",
                                                ["fwd_ms", "fwdbwd_ms"])
+    fla_warm.autotune_after(args)
     return result
 
 
