@@ -60,7 +60,7 @@ def recognize(an: Analyzer) -> tuple[list[Match], list[NearMiss]]:
             matches.append(_analyze(an, out, term, roles))
         except Reject as e:
             if roles.c is None and parallel.judged(an, out):
-                continue  # no chunks: the parallel form's reason (or rewrites) say more than a failed certificate
+                continue  # no chunks: the parallel form's rewrites or reason say more than a failed certificate
             near.append(NearMiss("chunked", str(e), [out]))
     if not matches and not near:
         near += unread_states(an) or symbolic_chunks.time_cuts(an)

@@ -17,7 +17,8 @@ of their own row sums are read by ``normalized.py``: the row sums come from the 
 the rewrite is certified by trial (``certify/trial.py``). q and k with fewer heads than v,
 repeated over the heads in the code, reach the op unrepeated (``grouped_heads.head_letters``).
 Left alone with a reason: a decay computed from a function's arguments, scores read by anything
-but their row sums, and what discovery finds that is no candidate (``not_candidates``).
+but their row sums, and what discovery finds that is no candidate
+(``parallel_terms.not_candidates``).
 """
 
 from __future__ import annotations
