@@ -304,9 +304,7 @@ def unsupported_update_reason(an: Analyzer, node: fx.Node) -> Optional[str]:
         return None
     out_set = out_vars(av.out)
     selfish = [m for m in av.terms if any(is_full_atom(f, av.out) for f in m[1])]
-    # a state is an earlier update or comes from outside; `G[:, :1] - G` updates nothing
-    states = {f.atom.node for m in selfish for f in m[1] if is_full_atom(f, av.out) and _state_like(f.atom.node)}
-    states = {s for s in states if not _part_of_sum(an, s, node, selfish)}
+    states = {s for s in _state_atoms(av) if not _part_of_sum(an, s, node, selfish)}
     if not states:
         return None
     summed = [m for m in av.terms if mono_vars(m) - out_set]
@@ -336,8 +334,13 @@ def _part_of_sum(an: Analyzer, s: fx.Node, update: fx.Node, terms: list) -> bool
     if op_name(s) not in ("add", "sub") or list(s.users) != [update] or any(len(fs) != 1 for fs in reading):
         return False
     av = an.value(s)
-    return av is not None and not any(is_full_atom(f, av.out) and _state_like(f.atom.node)
-                                      for _, fs in av.terms for f in fs)
+    return av is not None and not _state_atoms(av)
+
+
+def _state_atoms(av: AV) -> set:
+    """The nodes a value reads whole, element for element, that may be states: an earlier update
+    or a tensor from outside (`G[:, :1] - G` updates nothing)."""
+    return {f.atom.node for _, fs in av.terms for f in fs if is_full_atom(f, av.out) and _state_like(f.atom.node)}
 
 
 def _shared_outer(an: Analyzer, av: AV, update: fx.Node) -> Optional[fx.Node]:
