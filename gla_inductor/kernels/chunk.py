@@ -32,6 +32,12 @@ and FLOP counts are in ``templates/README.md``). The schedules (``ChunkConfig``)
     state. One more launch and one more read of k and v (q and do in the dual) per scan, for P times
     the programs, each walking NT / P chunks.
 
+The backward's two walks (states and dual) read the same inputs and write different buffers: where
+``configs.overlap_walks`` says it pays (``ChunkConfig.overlap_walks``), the states walk goes to a
+second stream and overlaps the dual one, so that a walk that leaves SMs idle (few heads, a long
+packed sequence among short ones) does not leave them idle for two walks in a row. Compiled graphs
+run the same kernels one after the other: Inductor launches on one stream.
+
 Packed sequences (``call.cu_seqlens``) run the fused or the local schedule (the split one is
 dropped: its output kernel indexes fixed-length chunks). The scans and carries take one program
 per (V tile, sequence * head), each walking its own sequence's chunks from offsets read on the
@@ -46,7 +52,9 @@ computed already (``LocalParts``, ``kernels.parts``). They run on CUDA tensors, 
 under ``TRITON_INTERPRET=1``; ``configs.unsupported_reason`` says where they do not apply.
 """
 
+import contextlib
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -253,6 +261,29 @@ class _Launcher:
         _launch("gla_chunk_bwd_dqkg", options, tensors, dq, grid, tiles)
 
 
+@contextlib.contextmanager
+def _overlapped(device: torch.device, overlap: bool):
+    """Launches in the block run after everything launched before it, and everything launched after
+    it waits for them; with ``overlap``, those under the context it yields (``with aside():``) go
+    to a second stream and overlap the block's others (``configs.overlap_walks`` says where that
+    pays). CUDA graphs capture the fork and the join. Elsewhere (CPU, the interpreter) one stream."""
+    if not overlap or device.type != "cuda":
+        yield contextlib.nullcontext
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    side.wait_stream(main)
+    try:
+        yield lambda: torch.cuda.stream(side)
+    finally:
+        main.wait_stream(side)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device=index)
+
+
 def _head_grad(x: Tensor, v: Tensor) -> Tensor:
     """The buffer gla_chunk_bwd_dqkg writes the gradient of q or k into: like x, or, for a q or k shared
     by groups of heads, one fp32 gradient per head of v, which ``sum_groups`` then reduces. The heads
@@ -389,20 +420,27 @@ def backward(call: GLACall, do: Tensor, dht: Optional[Tensor], config: Optional[
     if cfg.local:
         # chunk-local terms once; the dual scan takes x = ks, y = qs and the scores' transpose
         qs, ks, At, dl = run.local(q, k, transpose=True) if parts is None else parts.terms
-        run.carry(h, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state,
-                  segments=cfg.segments)
-        run.carry(dv, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl, h0=dht, h=dh,
-                  ht=dh0, segments=cfg.segments, sums=None if parts is None else (parts.hs, parts.ds))
+        with _overlapped(run.device, cfg.overlap_walks) as aside:
+            run.carry(dv, write_out=True, dual=True, store_states=True, x=ks, A=At, y=qs, v=do, dl=dl, h0=dht,
+                      h=dh, ht=dh0, segments=cfg.segments, sums=None if parts is None else (parts.hs, parts.ds))
+            with aside():
+                run.carry(h, write_out=False, dual=False, store_states=True, y=ks, v=v, dl=dl, h0=initial_state,
+                          segments=cfg.segments)
         del qs, ks, At
     elif cfg.split:
         P = cfg.bwd_scan_segments
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
-        run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0, segments=P)
+        with _overlapped(run.device, cfg.overlap_walks) as aside:
+            run.scan(dh, write_out=False, dual=True, store_states=True, q=q, v=do, h0=dht, ht=dh0, segments=P)
+            with aside():
+                run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
         run.output(dv, dual=True, q=q, k=k, v=do, h=dh)
     else:
         P = cfg.bwd_scan_segments
-        run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
-        run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0, segments=P)
+        with _overlapped(run.device, cfg.overlap_walks) as aside:
+            run.scan(dv, write_out=True, dual=True, store_states=True, q=q, k=k, v=do, h0=dht, h=dh, ht=dh0,
+                     segments=P)
+            with aside():
+                run.scan(h, write_out=False, dual=False, store_states=True, k=k, v=v, h0=initial_state, segments=P)
     # constant gate: per-step gradients [B, T, H], summed over batch and time below
     dg_steps = None if g_gamma is None else q.new_empty(B, T, H, dtype=torch.float32)
     run.dqkg(dq, q=q, k=k, v=v, do=do, h=h, dh=dh, dk=dk, dg=dg if g_gamma is None else dg_steps)

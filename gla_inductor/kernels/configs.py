@@ -97,6 +97,9 @@ class ChunkConfig:
     # came within a few 1e-7 of "ieee"'s error against float64 in a tenth of its time (Triton's
     # "ieee" dots are FMA loops that spill; results/h100-2026-11-22-mixer-profile.txt)
     f32_precision: Optional[str] = None
+    # the backward's two walks (states and dual) on two streams, overlapping (``overlap_walks``;
+    # eager calls: compiled graphs launch their kernels on one stream)
+    overlap_walks: bool = False
 
 
 def forward_scan_tile(BK: int, BV: int, vector_gate: bool, fallback: TileConfig) -> TileConfig:
@@ -277,6 +280,18 @@ def terms_segments(B: int, H: int, V: int, BK: int, NT: int, sms: int) -> int:
     return walk_segments(B * H * math.ceil(V / 64), NT, sms * (2 if BK > 64 else 8))
 
 
+def overlap_walks(tokens: int, H: int, K: int, V: int) -> bool:
+    """Whether the backward runs its states and dual walks on two streams, overlapping. They read
+    the same terms and write different buffers, and where one walk leaves SMs idle (few heads, a
+    long sequence among short packed ones) the other fills them: the backward gained 19% at
+    (1, 8192, 16, 128, 128) with a scalar gate, 7% at (4, 2048, 16, 128, 128) with a vector one and
+    4% on 12 packed sequences of mixed lengths, and stayed within 1% where each walk fills the GPU.
+    The fork and the join cost host time, which an eager call shows where its kernels take less
+    time than their launches: below 2^30 tokens x heads x K x V, where the walks gained at most 3%
+    (results/h200-2026-11-29-overlap.md)."""
+    return tokens * H * K * V >= 1 << 30
+
+
 def env_scan_segments() -> Optional[tuple[int, int]]:
     """GLA_INDUCTOR_SCAN_SEGMENTS="P" or "P,Q": the forward's scan segments P and the backward's Q (P
     when not given) for every call that takes the fused schedule, instead of ``scan_segments`` (P
@@ -403,6 +418,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         segsum=TileConfig(block_v=min(BV, 64), num_warps=warps, num_stages=stages),
         scan_segments=fwd_segments,
         bwd_scan_segments=bwd_segments,
+        overlap_walks=device.type == "cuda" and overlap_walks(T if varlen else B * T, H, K, V),
     )
 
 

@@ -524,3 +524,11 @@ def test_specialization_key_is_as_fine_as_tritons():
                 assert standalone.specialization_key([a]) != standalone.specialization_key([b]), (a, b)
                 checked += 1
     assert checked > 300
+
+def test_backward_walks_overlap_where_they_outlast_the_host():
+    """Two streams only where the walks' GPU time hides the fork's and join's host time; never on
+    the CPU (the interpreter)."""
+    assert not kconfigs.overlap_walks(8 * 1024, 8, 64, 64)
+    assert kconfigs.overlap_walks(4 * 2048, 16, 128, 128)
+    assert kconfigs.overlap_walks(25_700, 16, 128, 128)  # 12 packed sequences, 25.7k tokens
+    assert not kconfigs.default_config(4, 2048, 16, 128, 128, torch.bfloat16, True, torch.device("cpu")).overlap_walks
