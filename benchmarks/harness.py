@@ -200,18 +200,29 @@ def graph_ms(fn: Callable, **kw) -> Optional[float]:
 
 
 def kernel_ms(fn: Callable, calls: int = 20) -> float:
-    """GPU time per call as the sum of the CUDA kernels' (and copies') durations under the
-    profiler: host time and the gaps a host synchronization leaves are not counted. For calls that
-    cannot be captured in a CUDA graph (FLA's packed sequences read their offsets on the host), so
-    that both sides of a comparison are GPU time alone."""
+    """GPU time per call as the time the CUDA kernels (and copies) run under the profiler: the
+    union of their intervals, so that kernels overlapping on two streams count once; host time and
+    the gaps a host synchronization leaves are not counted. For calls that cannot be captured in a
+    CUDA graph (FLA's packed sequences read their offsets on the host), so that both sides of a
+    comparison are GPU time alone."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / 1000 / calls
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return busy_us(spans) / 1000 / calls
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the (start, end) intervals."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        total += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return total
 
 
 def first_and_warm(fn: Callable, device: str, between: Optional[Callable] = None):

@@ -11,8 +11,9 @@ Per case (bf16, H = 16, K = V = 128, layout [1, T, H, D] packed), ms of:
     [1, T] for the mixed case (what packing should cost nothing against).
 Timed by the shared harness: CUDA events (host time included) and CUDA-graph replays (GPU time
 alone; every input, output gradient included, exists before capture; a call that cannot be
-captured gets a note instead), and the profiler's sum of kernel durations (GPU time of calls that
-cannot be captured, as FLA's packed calls: they read the offsets on the host). Cases (the anchors): 8 x 2048 packed, and 12 mixed lengths (25.7k
+captured gets a note instead), and the time the profiler sees kernels run (GPU time of calls that
+cannot be captured, as FLA's packed calls: they read the offsets on the host; kernels overlapping on
+two streams count once). Cases (the anchors): 8 x 2048 packed, and 12 mixed lengths (25.7k
 tokens). Targets: packed forward >= 2.5x FLA chunk_gla, forward + backward >= 2x, scalar gate
 >= 1.5x chunk_simple_gla, and packed within 1.1x of our fixed-length time at equal tokens.
 """
@@ -161,7 +162,8 @@ def run(args):
               flush=True)
         result.rows += run_case(name, lengths, (1, sum(lengths), heads, dim, dim), device, args, fla, notes)
     result.notes += notes + ["ms: CUDA events (host time included; CPU clock on CPU); graph: CUDA-graph replays; "
-                             "GPU kernels: the profiler's sum of kernel durations per call (FLA's packed calls "
+                             "GPU kernels: the time the profiler sees kernels run per call, overlaps "
+                             "counted once (FLA's packed calls "
                              "cannot be captured: they read the offsets on the host)",
                              "ours fixed: the same tokens unpacked, N x L for equal lengths, else 1 x T"]
     result.sections.append(markdown(result.rows))

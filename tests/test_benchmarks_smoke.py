@@ -195,3 +195,11 @@ def test_tune_ab_inputs_of_every_gate(gate):
     assert (g is None) == (gate in ("constant", "none")) and (g_gamma is None) == (gate != "constant")
     if g_gamma is not None:
         assert g_gamma.shape == (2,) and bool((g_gamma <= 0).all())
+
+
+def test_gpu_busy_time_counts_overlapping_kernels_once():
+    from benchmarks.harness import busy_us
+
+    # two streams' kernels overlapping, one nested in another, a gap, unsorted
+    assert busy_us([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (5.5, 5.7)]) == 4.0
+    assert busy_us([]) == 0.0
