@@ -525,6 +525,7 @@ def test_specialization_key_is_as_fine_as_tritons():
                 checked += 1
     assert checked > 300
 
+
 def test_backward_walks_overlap_where_they_outlast_the_host():
     """Two streams only where the walks' GPU time hides the fork's and join's host time; never on
     the CPU (the interpreter)."""
