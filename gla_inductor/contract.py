@@ -423,8 +423,10 @@ def validate_varlen(q, cu_seqlens, initial_state, *, api: str = "chunk_gla", hos
     T = q.shape[1] if isinstance(q, Tensor) and q.dim() == 4 else None
     offsets = cu_seqlens if host_copy is None else host_copy
     if _offsets_readable(offsets) and not _checked_before(offsets, T):
-        _check_offsets(api, offsets.tolist(), T)
-        _last_checked[:] = [weakref.ref(offsets), offsets._version, T]
+        values = offsets.tolist()
+        _check_offsets(api, values, T)
+        longest = max(end - start for start, end in zip(values, values[1:]))
+        _last_checked[:] = [weakref.ref(offsets), offsets._version, T, weakref.ref(cu_seqlens), longest]
 
 
 def _check_offsets_tensor(api: str, name: str, offsets) -> None:
@@ -437,15 +439,27 @@ def _check_offsets_tensor(api: str, name: str, offsets) -> None:
                          f"0 = {name}[0] <= ... <= {name}[N] = T of N >= 1 packed sequences")
 
 
-# The offsets checked last (a weak reference, their version counter, T): the layers of a model
-# called on one packed batch pass the same tensor, whose values are then read once, not once per
-# layer (a GPU tensor's read waits for the device: the host could no longer run ahead of it).
-_last_checked: list = [None, None, None]
+# The offsets checked last (a weak reference, their version counter, T, then cu_seqlens itself and
+# the longest sequence): the layers of a model called on one packed batch pass the same tensor,
+# whose values are then read once, not once per layer (a GPU tensor's read waits for the device:
+# the host could no longer run ahead of it).
+_last_checked: list = [None, None, None, None, 0]
 
 
 def _checked_before(cu_seqlens: Tensor, T) -> bool:
-    ref, version, last_T = _last_checked
+    ref, version, last_T = _last_checked[:3]
     return ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and last_T == T
+
+
+def packed_longest(cu_seqlens: Tensor, T) -> int:
+    """The longest packed sequence's length, where ``validate_varlen`` read these offsets (or their
+    cu_seqlens_cpu) on the host for a call of T steps; 0 where it did not (compiled code, offsets
+    first seen during a CUDA-graph capture, offsets changed since). What the kernels' schedule may
+    use: the kernels themselves never read the offsets on the host."""
+    ref, version, last_T, seqlens, longest = _last_checked
+    if seqlens is None or seqlens() is not cu_seqlens or last_T != T:
+        return 0
+    return longest if ref() is not cu_seqlens or version == cu_seqlens._version else 0
 
 
 def _offsets_readable(cu_seqlens: Tensor) -> bool:

@@ -41,10 +41,12 @@ run the same kernels one after the other: Inductor launches on one stream.
 Packed sequences (``call.cu_seqlens``) run the fused or the local schedule (the split one is
 dropped: its output kernel indexes fixed-length chunks). The scans and carries take one program
 per (V tile, sequence * head), each walking its own sequence's chunks from offsets read on the
-device (in segments too: each sequence's walk is cut into its own P segments); gla_chunk_local and
-gla_chunk_bwd_dqkg run over state slots (``varlen_state_slots``), each program finding its sequence
-in the offsets, and the per-chunk terms (dl, h, dh) live at the slots. Nothing reads the offsets on
-the host, so a packed call can be captured in a CUDA graph.
+device (in segments too: each sequence's walk is cut into its own P segments, or, where the host
+already read the offsets to check them and the longest sequence would outlast an even spread of
+the pack's walks, the carries cut each sequence as its length asks: ``configs.packed_cuts``);
+gla_chunk_local and gla_chunk_bwd_dqkg run over state slots (``varlen_state_slots``), each program
+finding its sequence in the offsets, and the per-chunk terms (dl, h, dh) live at the slots. The
+kernels never read the offsets on the host, so a packed call can be captured in a CUDA graph.
 
 ``forward(call)`` / ``backward(call, do, dht)`` follow the contract of the ``gla_inductor::chunk_fwd``
 / ``chunk_bwd`` custom ops for a ``GLACall``; the local schedule's may go on from its first half
@@ -61,7 +63,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..contract import GLACall, sum_groups
+from ..contract import GLACall, packed_longest, sum_groups
 from ..impl import prefix_states
 from . import configs
 from .configs import (ChunkConfig, TileConfig, carry_options, dqkg_block_k,
@@ -238,7 +240,8 @@ class _Launcher:
         tensors = dict(k=y, v=v, **self.gates, ds=ds) if terms else dict(y=y, v=v, dl=dl, ds=ds)
         options = dict(carry_options(self.options, dual=dual, segments=segments, segment_sums=True, terms=terms,
                                      sums_all=every, splits=splits), BV=tiles.block_v)
-        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, pieces)
+        # no program for the last segment's pieces, which only SUMS_ALL stores
+        grid = scan_grid(self.N, self.H, self.V, tiles.block_v, pieces if every else pieces - splits)
         _launch("gla_chunk_carry", options, dict(tensors, cu_seqlens=self.cu_seqlens), hs, grid, tiles)
         return hs, ds
 
@@ -302,8 +305,9 @@ def _prepare(call: GLACall, config: Optional[ChunkConfig]) -> tuple[GLACall, Chu
     _, T, _, K = call.q.shape
     H, V = call.v.shape[2], call.v.shape[-1]
     # looked up on the module: tools and tests patch it there
+    longest = packed_longest(call.cu_seqlens, T) if call.varlen else 0
     cfg = config or configs.default_config(call.num_sequences, T, H, K, V, dtype, call.gate_kind == "vector",
-                                           call.q.device, call.varlen)
+                                           call.q.device, call.varlen, longest)
     if call.varlen:  # the split schedule's output kernel indexes fixed-length chunks
         cfg = dataclasses.replace(cfg, split=False)
     return call, cfg

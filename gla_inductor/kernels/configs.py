@@ -83,6 +83,9 @@ class ChunkConfig:
     # pieces of each carry segment's sums, each summed by its own program (more programs for the
     # sums' launch) and folded by the walk; 1: one per segment
     sum_splits: int = 1
+    # packed sequences: the resident programs by which the carries count each sequence's segments
+    # (at most ``segments``; gla_chunk_carry's SLOTS); 0: every sequence in ``segments``
+    segment_slots: int = 0
     # segments of the fused (and split) schedules' gla_chunk_scan walks, each walked by its own
     # programs after a gla_chunk_segsum launch (``scan_segments``): the forward's scan, and the
     # backward's states and dual scans; 1: one walk over all chunks
@@ -280,6 +283,26 @@ def terms_segments(B: int, H: int, V: int, BK: int, NT: int, sms: int) -> int:
     return walk_segments(B * H * math.ceil(V / 64), NT, sms * (2 if BK > 64 else 8))
 
 
+def packed_cuts(longest: int, T: int, N: int, H: int, V: int, block_t: int, block_v: int, slots: int) -> int:
+    """In how many segments gla_chunk_carry's SLOTS rule cuts the walk of the longest of N packed
+    sequences (T steps in all): as many as it takes to bring the walk down to L chunks, the walk each
+    of ``slots`` resident programs would take were the pack's walks (at most T // BT + N chunks, each
+    walked by H * cdiv(V, BV) programs) spread evenly, with segments of at least 4 chunks; 1: none.
+
+    Where the host knows the longest sequence (``default_config``'s ``longest``) and it is cut, the
+    carries walk packed sequences in up to two segments, each as its length asks (the kernel's rule
+    per sequence, the sums of a segment in four pieces): a pack of mixed lengths lost to its longest
+    sequence, walked by one program per head and value tile (12 sequences of 1 to 5999 tokens took
+    2.5x the walk of 8 x 2048 for 1.57x the tokens, results/h200-2026-11-29-pool-blocks.md). Where
+    no sequence is cut the sums' launch would only cost (8 x 2048's scalar forward 7% slower with
+    the rule on the GPU: results/h200-2026-11-30-walks.md). Two programs per SM where K > 64
+    (255 registers per thread), four below."""
+    walks = (T // block_t + N) * H * math.ceil(V / block_v)
+    even = max(math.ceil(walks / slots), 4)
+    chunks = math.ceil(longest / block_t)
+    return min(max(math.ceil(chunks / even), 1), max(chunks // 4, 1))
+
+
 def overlap_walks(tokens: int, H: int, K: int, V: int) -> bool:
     """Whether the backward runs its states and dual walks on two streams, overlapping. They read
     the same terms and write different buffers, and where one walk leaves SMs idle (few heads, a
@@ -318,14 +341,16 @@ def faulting_tile(BK: int, tile: TileConfig, vector_gate: bool) -> bool:
 
 @functools.lru_cache(maxsize=512)  # a launch's host time matters where the GPU work is short
 def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, vector_gate: bool,
-                   device: torch.device, varlen: bool = False) -> ChunkConfig:
+                   device: torch.device, varlen: bool = False, longest: int = 0) -> ChunkConfig:
     """Tiles by head size. The backward's scans: chosen to compile without register spills for sm_90
     (bf16), value tiles narrowing while B * H * cdiv(V, BV) leaves SMs idle (untuned). The forward
     scan: measured (``forward_scan_tile``).
 
     Packed sequences (varlen; B is then the number of sequences, T their total length) take the
     same schedules but the split one, whose output kernel indexes chunks of fixed-length sequences
-    (``kernels.chunk`` drops it); their segments are counted as if each sequence were T long."""
+    (``kernels.chunk`` drops it); their segments are counted as if each sequence were T long, and
+    where the host knows the ``longest`` sequence's length (0: not known), its walk may be cut
+    (``packed_cuts``)."""
     BK = max(16, pow2(K))
     BV = max(16, pow2(V))
     # [BT, K] tiles of q, k, g and their gated copies dominate the registers of the fused scans; the
@@ -388,6 +413,11 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         # walk's start. With 8 segments, or at K = 64, the longer folds cost more than that saved
         # (results/h200-2026-11-29-sum-splits.md)
         sum_splits = 2 if BK > 64 and segments in (2, 4) else 1
+    segment_slots = 0
+    if varlen and B > 1 and segments == 1 and longest and device.type == "cuda":
+        slots = sms * (2 if BK > 64 else 4)
+        if packed_cuts(longest, T, B, H, V, block_t, carry_v, slots) > 1:
+            segments, sum_splits, segment_slots = 2, 4, slots
     warps = 4 if BK <= 32 else 8
     # fp32 operands take twice the shared memory of bf16 ones, and "tf32x3" dots (fp32 inputs under
     # the "highest" precision) stage a second, low part of each: at two stages some kernels asked
@@ -412,6 +442,7 @@ def default_config(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, v
         local_tile=TileConfig(block_v=0, num_warps=8, num_stages=stages),
         segments=segments,
         sum_splits=sum_splits,
+        segment_slots=segment_slots,
         # the segments' sums do the states walk's work (one dot per chunk): value tiles of 64 make
         # as many programs as the forward's walk in segments (offline for sm_90 at K = 128: 112
         # registers with 8 warps, no spills; untimed)
@@ -483,6 +514,8 @@ def kernel_options(cfg: ChunkConfig, dtype: torch.dtype, K: int, gate: str, scal
         GROUP=int(group),
         IS_VARLEN=bool(varlen),
         **gate_fn.kernel_options(),
+        # only where asked: the other renders keep their sources (and compiled kernels)
+        **({"SLOTS": cfg.segment_slots} if varlen and cfg.segments > 1 and cfg.segment_slots else {}),
     )
 
 

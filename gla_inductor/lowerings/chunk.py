@@ -62,9 +62,12 @@ def _scan_grid(BH, V, meta, *, cdiv):
     """How are gla_chunk_scan, gla_chunk_segsum and gla_chunk_carry parallelized? One program per
     (value tile, batch * head) walks all chunks in order with its state slice on chip, or, in a walk
     cut into segments, the chunks of its segment (see ``kernels.chunk.scan_grid``)."""
-    # the sums of segments in SPLITS pieces: a program per piece
-    pieces = meta.get("SPLITS", 1) if meta.get("SEGMENT_SUMS") else 1
-    return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1) * pieces)
+    # the sums of segments in SPLITS pieces: a program per piece, none for the last segment's (which
+    # only SUMS_ALL stores)
+    if meta.get("SEGMENT_SUMS"):
+        segments = meta["SEGMENTS"] if meta.get("SUMS_ALL") else meta["SEGMENTS"] - 1
+        return (cdiv(V, meta["BV"]), BH, segments * meta.get("SPLITS", 1))
+    return (cdiv(V, meta["BV"]), BH, meta.get("SEGMENTS", 1))
 
 
 @SymbolicGridFn

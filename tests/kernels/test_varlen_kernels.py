@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import gla_inductor
+from gla_inductor import contract
 from gla_inductor.contract import GLACall
 from gla_inductor.impl import chunked
 from gla_inductor.kernels import chunk as chunk_kernels
+from gla_inductor.kernels import configs as kconfigs
 from gla_inductor.kernels.configs import default_config
 from gla_inductor.ops import dispatch
 from varlen_packing import (C, EDGE_LENGTHS, assert_matches, assert_prefix_states, make, random_lengths, reference,
@@ -155,6 +157,100 @@ def test_terms_carry_in_segments_cuts_each_sequence(segments, splits):
     assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
 
 
+def _assert_forward_backward_match(p, call, cfg, *, seed):
+    """The kernels' forward and backward at ``cfg`` against each sequence run alone in float64:
+    values, final states and every gradient, the initial state's included."""
+    o, ht = chunk_kernels.forward(call, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    do, dht = (torch.randn(x.shape, generator=gen).to(DEVICE) for x in (o, ht))
+    dq, dk, dv, dg, _, dh0 = chunk_kernels.backward(call, do, dht, cfg)
+    ref_o, ref_ht = reference(p)
+    refs = torch.autograd.grad((ref_o * do).sum() + (ref_ht * dht).sum(), [p.q, p.k, p.v, p.g, p.h0])
+    assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
+    for name, mine, theirs in zip(["dq", "dk", "dv", "dg", "dh0"], [dq, dk, dv, dg, dh0], refs):
+        assert rel_err(mine, theirs) < 1e-4, name
+
+
+# lengths whose walks the length rule below cuts in 4, 2 and 1 segments (18, 9 and up to 3 chunks)
+_BY_LENGTH = [17 * C + 5, 0, 1, C - 1, C, C + 1, 9 * C, 2 * C + 7]
+
+
+def _by_length_config(p, schedule):
+    """The rule of gla_chunk_carry's SLOTS at 16 resident programs: (31 chunks + 8 sequences) * 2
+    heads = 78 walks, 5 chunks each; at most 4 segments of at least 4 chunks each."""
+    base = default_config(len(_BY_LENGTH), sum(_BY_LENGTH), 2, 16, 16, torch.float32, schedule == "local",
+                          torch.device(DEVICE), True)
+    cfg = dataclasses.replace(base, local=schedule == "local", terms=schedule == "terms", split=False, segments=4,
+                              sum_splits=2 if schedule == "terms" else 1, segment_slots=16,
+                              carry=dataclasses.replace(base.carry, block_v=16))
+    call = GLACall(p.q.detach(), p.k.detach(), p.v.detach(), p.g.detach(), None, p.h0.detach(), p.scale, True,
+                   p.reverse, cu_seqlens=p.cu_seqlens)
+    return call, cfg
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_terms_carry_cuts_each_sequence_by_its_length(reverse, monkeypatch):
+    """Packed sequences cut as far as their lengths ask (ChunkConfig.segment_slots): the scalar
+    forward's carry walks the 18-chunk sequence in segments of 6 chunks (4 asked, 3 non-empty), the
+    9-chunk one in two, the short ones in one (no sums), each as if alone; the sums in two pieces.
+    Which pieces were summed shows in their decays ds [N, pieces, H]: the buffers start as NaN, and
+    the last segment of a sequence is never summed."""
+    p = _on_device(make(_BY_LENGTH, gate="scalar", K=16, V=16, h0=True, reverse=reverse))
+    call, cfg = _by_length_config(p, "terms")
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    sums = []
+    segment_sums = chunk_kernels._Launcher.segment_sums
+    monkeypatch.setattr(chunk_kernels._Launcher, "segment_sums",
+                        lambda self, *a, **kw: sums.append(segment_sums(self, *a, **kw)) or sums[-1])
+    o, ht = chunk_kernels.forward(call, cfg)
+    ref_o, ref_ht = reference(p)
+    assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
+    (hs, ds), = sums
+    summed = torch.zeros(len(_BY_LENGTH), 8, dtype=torch.bool)
+    summed[0, :4] = True  # segments of 6 chunks in pieces of 3: the first two segments
+    summed[6, :2] = True  # two segments of 6 and 3 chunks: the first
+    assert torch.equal(torch.isfinite(ds).all(-1).cpu(), summed)
+
+
+def test_local_carries_cut_each_sequence_by_its_length():
+    """The same rule on the local schedule's carries (vector gate): the forward's walk, and the
+    backward's states and dual walks; values, final states and every gradient."""
+    p = _on_device(make(_BY_LENGTH, gate="vector", K=16, V=16, h0=True))
+    _assert_forward_backward_match(p, *_by_length_config(p, "local"), seed=3)
+
+
+def test_packed_cuts_rule_at_the_anchors():
+    """The host's mirror of the SLOTS rule (configs.packed_cuts) at the benchmark's packs, H = 16,
+    K = V = 128, 264 resident programs (132 SMs): 12 mixed lengths cut their 5999-step sequence in
+    two (94 chunks against an even walk of 51), 8 x 2048 cut none (32 against 32)."""
+    mixed = [4096, 517, 3001, 1024, 64, 2048, 5999, 1, 777, 2500, 3900, 1773]
+    assert kconfigs.packed_cuts(max(mixed), sum(mixed), 12, 16, 128, 64, 64, 264) == 2
+    assert kconfigs.packed_cuts(2048, 8 * 2048, 8, 16, 128, 64, 64, 264) == 1
+    assert kconfigs.packed_cuts(4 * C, 4 * C, 1, 1, 16, C, 16, 264) == 1  # 4 chunks: no segment below 4
+    assert kconfigs.packed_cuts(0, 0, 2, 16, 128, 64, 64, 264) == 1
+
+
+def test_host_knows_the_longest_sequence_once_it_read_the_offsets():
+    """contract.packed_longest: what the eager call's validation read (and nothing else): the
+    longest sequence of the offsets it checked, 0 for other offsets, another T, or offsets changed
+    in place since."""
+    p = make([C + 3, 0, 2 * C + 1, 5], gate="scalar", K=8, V=8)
+    with torch.no_grad():
+        p.run(gla_inductor.chunk_gla)
+    T = sum([C + 3, 0, 2 * C + 1, 5])
+    assert contract.packed_longest(p.cu_seqlens, T) == 2 * C + 1
+    assert contract.packed_longest(p.cu_seqlens.clone(), T) == 0
+    assert contract.packed_longest(p.cu_seqlens, T + 1) == 0
+    p.cu_seqlens[1] += 1
+    assert contract.packed_longest(p.cu_seqlens, T) == 0
+
+
 @pytest.mark.parametrize("block_t", [16, 32])
 def test_short_chunks_find_their_sequences(block_t):
     """Many short sequences in chunks of 16 or 32 steps: state slots without a chunk among those
@@ -167,15 +263,7 @@ def test_short_chunks_find_their_sequences(block_t):
     cfg = dataclasses.replace(default_config(1, sum(lengths), 1, 16, 16, torch.float32, False, torch.device(DEVICE),
                                              True), block_t=block_t)
     assert chunk_kernels.varlen_state_slots(sum(lengths), len(lengths), block_t) == sum(lengths) // block_t + 10
-    o, ht = chunk_kernels.forward(call, cfg)
-    gen = torch.Generator().manual_seed(2)
-    do, dht = (torch.randn(x.shape, generator=gen).to(DEVICE) for x in (o, ht))
-    dq, dk, dv, dg, _, dh0 = chunk_kernels.backward(call, do, dht, cfg)
-    ref_o, ref_ht = reference(p)
-    refs = torch.autograd.grad((ref_o * do).sum() + (ref_ht * dht).sum(), [p.q, p.k, p.v, p.g, p.h0])
-    assert rel_err(o, ref_o) < 1e-4 and rel_err(ht, ref_ht) < 1e-4
-    for name, mine, theirs in zip(["dq", "dk", "dv", "dg", "dh0"], [dq, dk, dv, dg, dh0], refs):
-        assert rel_err(mine, theirs) < 1e-4, name
+    _assert_forward_backward_match(p, call, cfg, seed=2)
 
 
 @pytest.mark.parametrize("interval", [16, C])
